@@ -1,0 +1,21 @@
+"""hf_kvreuse: KV-cache reuse beyond exact prefix caching, as drop-in transformers caches."""
+
+from .alignment import Alignment, Span, align_token_ids, block_token_span, segment_prompt
+from .cache_classes import KVReuseCache, OptimisticCache, OptimisticStats
+from .generation import BackgroundPrefill, disable, enable, is_enabled, partial_forward
+from .kv import cat_kv, dynamic_cache_from_kv, kv_length, kv_of, load_kv, scatter_kv, slice_kv
+from .models import load_smollm2, smollm2_path, tiny_model
+from .rope import RopeShifter, UnsupportedRopeError, check_rope_supported, rope_shift
+from .timing import TokenTimer, now, synchronize, timed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Alignment", "Span", "align_token_ids", "block_token_span", "segment_prompt",
+    "KVReuseCache", "OptimisticCache", "OptimisticStats",
+    "BackgroundPrefill", "enable", "disable", "is_enabled", "partial_forward",
+    "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",
+    "load_smollm2", "smollm2_path", "tiny_model",
+    "RopeShifter", "UnsupportedRopeError", "check_rope_supported", "rope_shift",
+    "TokenTimer", "now", "synchronize", "timed",
+]

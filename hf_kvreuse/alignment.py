@@ -1,0 +1,143 @@
+"""Prompt alignment: which spans of a target prompt can be taken from a donor's KV cache.
+
+Two entry points, one per level at which a caller knows the shared text:
+
+* :func:`align_token_ids` aligns two token-id sequences (donor vs target): the longest common prefix, which
+  is exactly reusable, then matching non-prefix spans found by :class:`difflib.SequenceMatcher`, which are
+  reusable after RoPE re-positioning (and are context-misaligned beyond layer 0).
+* :func:`block_token_span` maps a block of the *rendered* prompt, given by character offsets, onto the token
+  stream of the full prompt, with the boundary rule of METHODS.md §1.1 (chenzhwsysu57/kvreuse
+  ``build_prompt_parts``): a token straddling the block start stays with the prefix, a token straddling the
+  block end goes with the block. Always cut the token stream of the full prompt; tokenizing fragments
+  separately changes whitespace-merge tokens.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Span:
+    """``length`` tokens at donor positions ``donor_start..`` equal the target tokens at ``target_start..``."""
+
+    donor_start: int
+    target_start: int
+    length: int
+
+    @property
+    def delta(self) -> int:
+        """Position shift that moves the donor tokens to their target positions."""
+        return self.target_start - self.donor_start
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Result of :func:`align_token_ids`.
+
+    Attributes
+    ----------
+    spans : list of Span
+        Non-overlapping, increasing in both donor and target positions. A common prefix, if any, is ``spans[0]``
+        with ``donor_start == target_start == 0``.
+    prefix_len : int
+        Length of the exact common prefix (reusable without any approximation).
+    target_len : int
+        Number of target tokens that were aligned.
+    """
+
+    spans: list[Span]
+    prefix_len: int
+    target_len: int
+
+    @property
+    def matched(self) -> int:
+        return sum(s.length for s in self.spans)
+
+    def target_to_donor(self) -> torch.Tensor:
+        """LongTensor ``[target_len]``: the donor position of each target token, or -1 where unmatched."""
+        out = torch.full((self.target_len,), -1, dtype=torch.long)
+        for s in self.spans:
+            out[s.target_start:s.target_start + s.length] = torch.arange(s.donor_start, s.donor_start + s.length)
+        return out
+
+
+def _as_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"alignment takes one sequence, got a batch of {ids.shape[0]}")
+            ids = ids[0]
+        return ids.tolist()
+    return list(ids)
+
+
+def align_token_ids(donor_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor,
+                    min_span: int = 4, donor_limit: int | None = None, target_limit: int | None = None) -> Alignment:
+    """Align donor token ids against target token ids.
+
+    Parameters
+    ----------
+    donor_ids, target_ids : sequence of int or LongTensor ``[T]`` / ``[1, T]``
+    min_span : int, default=4
+        Non-prefix matches shorter than this are dropped: short coincidental matches (punctuation, template
+        tokens) save little prefill and carry the most context misalignment.
+    donor_limit : int, optional
+        Only donor positions ``< donor_limit`` may be used (e.g. the donor cache's length: the last generated
+        token of a donor is never in its cache).
+    target_limit : int, optional
+        Only target positions ``< target_limit`` are aligned (e.g. ``len(target) - 1``: the last prompt token is
+        always fed to the model so that there are logits).
+    """
+    if min_span < 1:
+        raise ValueError("min_span must be >= 1")
+    donor = _as_list(donor_ids)[:donor_limit]
+    target = _as_list(target_ids)[:target_limit]
+    prefix = 0
+    for a, b in zip(donor, target):
+        if a != b:
+            break
+        prefix += 1
+    spans = [Span(0, 0, prefix)] if prefix else []
+    matcher = difflib.SequenceMatcher(a=donor[prefix:], b=target[prefix:], autojunk=False)
+    for blk in matcher.get_matching_blocks():
+        if blk.size >= min_span:
+            spans.append(Span(blk.a + prefix, blk.b + prefix, blk.size))
+    return Alignment(spans=spans, prefix_len=prefix, target_len=len(target))
+
+
+def block_token_span(offsets: Sequence[tuple[int, int]] | torch.Tensor, char_start: int, char_end: int) -> tuple[int, int]:
+    """Token span ``[start, end)`` of the character block ``[char_start, char_end)`` of a rendered prompt.
+
+    ``offsets`` is the tokenizer's ``offset_mapping`` of the *full* prompt. The span starts at the first token
+    whose start is ``>= char_start`` (a token straddling the block start stays with the prefix) and ends before
+    the first token whose start is ``>= char_end`` (a token straddling the block end joins the block).
+    """
+    if isinstance(offsets, torch.Tensor):
+        offsets = offsets.reshape(-1, 2).tolist()
+    if not 0 <= char_start <= char_end:
+        raise ValueError(f"bad character block [{char_start}, {char_end})")
+    starts = [int(s) for s, _ in offsets]
+    n = len(starts)
+    start = next((i for i, s in enumerate(starts) if s >= char_start), n)
+    end = next((i for i, s in enumerate(starts) if s >= char_end and i >= start), n)
+    return start, end
+
+
+def segment_prompt(tokenizer, text: str, blocks: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Tokenize ``text`` once and locate each character block in its token stream.
+
+    Returns the full ids ``[1, T]`` and one token span per block (see :func:`block_token_span`). Spans are
+    checked to be ordered and non-overlapping, so prefix ⊕ blocks ⊕ suffix re-assembles the full ids.
+    """
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, return_tensors="pt")
+    offsets = enc["offset_mapping"][0]
+    spans = [block_token_span(offsets, a, b) for a, b in blocks]
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        if a1 > b0:
+            raise ValueError(f"blocks overlap in token space: {spans}")
+    return enc["input_ids"], spans

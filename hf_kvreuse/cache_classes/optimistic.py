@@ -1,0 +1,332 @@
+"""OptimisticCache: RebaseKV's optimistic cache alignment as a drop-in transformers cache.
+
+Based on "RebaseKV: Hiding Prefill Latency in Multi-Agent LLMs via Optimistic Cache Alignment" (seed abstract;
+algorithm of METHODS.md §2.1, whose details are our reading of the abstract). Algorithm, per ``generate`` call:
+
+1. Align the target prompt with the donor's tokens (previous agent's prompt + answer): common prefix and
+   matching non-prefix spans (:mod:`hf_kvreuse.alignment`).
+2. Optimistic cache: matched spans copied from the donor cache and RoPE-re-positioned to their target
+   positions (:mod:`hf_kvreuse.rope`); only the unmatched target tokens are computed, in place, attending
+   causally to the stale cache (:func:`hf_kvreuse.generation.partial.partial_forward`).
+   First token ≈ prefill(unmatched tokens) + one decode step.
+3. Foreground decoding starts at once from that cache, while the exact prefill of the prompt runs in the
+   background (:class:`hf_kvreuse.generation.background.BackgroundPrefill`).
+4. Rebase: at the first step boundary where the exact cache is ready (or when ``max_optimistic_tokens`` is
+   reached, waiting for it), the exact cache is swapped in and the tokens generated so far are replayed on it
+   in the same forward that produces the next token. From then on every token is the one full prefill would
+   give after the same earlier tokens. Optionally the replay's logits count how many optimistic tokens the
+   exact model would not have chosen greedily (``divergent_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from transformers import Cache
+
+from ..alignment import Alignment, align_token_ids
+from ..generation.background import BackgroundPrefill
+from ..generation.partial import partial_forward
+from ..kv import empty_kv, kv_length, kv_of, load_kv
+from ..rope import RopeShifter
+from ..timing import now
+from .base import KVReuseCache
+
+
+@dataclass
+class OptimisticStats:
+    """What happened during one ``generate`` with an :class:`OptimisticCache` (times in seconds)."""
+
+    ttft_s: float | None = None             # generate() entry -> first token's logits
+    assemble_s: float | None = None         # alignment + re-positioning + prefill of unmatched tokens
+    swap_step: int | None = None            # tokens generated before the exact cache took over (None: never)
+    optimistic_tokens: int = 0              # tokens emitted from the optimistic cache
+    divergent_tokens: int | None = None     # of those, how many exact greedy decoding would not have chosen
+    first_divergence: int | None = None     # index of the first such token
+    background_prefill_s: float | None = None
+    wait_s: float = 0.0                     # foreground time spent waiting for the exact cache
+    reused_tokens: int = 0                  # prompt tokens taken from the donor
+    prefix_tokens: int = 0                  # of those, the exact common prefix
+    new_tokens: int = 0                     # prompt tokens prefilled in the foreground
+    generated_tokens: int = 0
+    exact: bool = False                     # the cache now holds exact K/V for every token
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class OptimisticCache(KVReuseCache):
+    """Start decoding from a previous agent's re-positioned cache; swap in the exact one when it is ready.
+
+    Based on RebaseKV (Optimistic Cache Alignment). Usage::
+
+        cache = OptimisticCache(model, input_ids=ids_b, donor_cache=out_a.cache, donor_ids=out_a.sequences)
+        out_b = model.generate(ids_b, past_key_values=cache, max_new_tokens=64)   # or cache=cache
+        print(cache.stats)
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        Causal LM with RoPE of a type that can be re-positioned (default, linear, llama3, yarn). It is passed to
+        :func:`hf_kvreuse.enable` (in place, idempotent).
+    input_ids : LongTensor ``[1, N]``
+        The target prompt; ``generate`` must be called with exactly these ids.
+    donor_cache : transformers Cache
+        A cache of the same model over ``donor_ids`` (e.g. ``out.cache`` of the previous ``generate`` with
+        ``return_dict_in_generate=True``). Read, never modified.
+    donor_ids : LongTensor ``[1, L]``
+        The donor's tokens (e.g. ``out.sequences``); only the first ``donor_cache`` length of them have K/V.
+    max_optimistic_tokens : int or None, default=32
+        At most this many tokens come from the optimistic cache: at that step the foreground waits for the exact
+        cache. 0 waits before the first token (plain prefill); None never waits.
+    record_divergence : bool, default=True
+        Keep the replay's logits to count ``stats.divergent_tokens``.
+    min_span : int, default=4
+        Shortest non-prefix match reused from the donor.
+    background_start : {"auto", "immediate", "after_first_token"}, default="auto"
+        When the exact prefill starts. "auto": immediately on GPU (side stream), after the first token on CPU,
+        where both compete for the same cores and starting early would delay the first token.
+    background_chunk_tokens : int, optional
+        Prefill the exact cache in chunks of this size (cancellation checks between chunks).
+    background_threads : int, optional
+        CPU only: intra-op threads of the background worker (default half the cores); the foreground uses the
+        rest while both run.
+    on_early_finish : {"swap", "cancel"}, default="swap"
+        If generation ends before the swap: "swap" waits and replays so the returned cache is exact;
+        "cancel" stops the background job and leaves the optimistic cache (``stats.exact`` is False).
+    """
+
+    def __init__(self, model, input_ids: torch.Tensor, donor_cache: Cache, donor_ids: torch.Tensor, *,
+                 max_optimistic_tokens: int | None = 32, record_divergence: bool = True, min_span: int = 4,
+                 background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
+                 background_chunk_tokens: int | None = None, background_threads: int | None = None,
+                 on_early_finish: Literal["swap", "cancel"] = "swap"):
+        from ..generation.mixin import enable
+
+        super().__init__(model)
+        enable(model)
+        self._shifter = RopeShifter(model)  # raises UnsupportedRopeError for dynamic / longrope
+        input_ids = _as_batch1(input_ids, "input_ids")
+        if input_ids.shape[1] < 2:
+            raise ValueError("OptimisticCache needs a target prompt of at least 2 tokens")
+        self.input_ids = input_ids
+        self.donor_cache, self.donor_ids = donor_cache, _as_batch1(donor_ids, "donor_ids")
+        if max_optimistic_tokens is not None and max_optimistic_tokens < 0:
+            raise ValueError("max_optimistic_tokens must be >= 0 or None")
+        if background_start not in ("auto", "immediate", "after_first_token"):
+            raise ValueError(f"background_start={background_start!r}")
+        if on_early_finish not in ("swap", "cancel"):
+            raise ValueError(f"on_early_finish={on_early_finish!r}")
+        self.max_optimistic_tokens = max_optimistic_tokens
+        self.record_divergence = record_divergence
+        self.min_span = min_span
+        self.background_start = background_start
+        self.background_chunk_tokens = background_chunk_tokens
+        self.background_threads = background_threads
+        self.on_early_finish = on_early_finish
+        self.stats = OptimisticStats()
+        self.alignment: Alignment | None = None
+        self.job: BackgroundPrefill | None = None
+        self._used = False
+
+    # -- generate entry --------------------------------------------------------------------------------------
+    def prepare(self, model, input_ids, generate_kwargs) -> None:
+        if self._used:
+            raise RuntimeError("an OptimisticCache serves one generate call; build a new one for the next prompt")
+        self._used = True
+        _check_call(self, model, input_ids, generate_kwargs)
+        self._t0 = now(self.input_ids.device)
+        self._forwards = 0
+        self._swapped = False
+        self._replay = None
+        self._fg_threads = torch.get_num_threads()
+        self._threads_lowered = False
+        n = self.input_ids.shape[1]
+        self.job = BackgroundPrefill(
+            model, self.input_ids[:, : n - 1], chunk_tokens=self.background_chunk_tokens,
+            cpu_threads=self.background_threads or max(1, self._fg_threads // 2),
+            synchronous=self.max_optimistic_tokens == 0)
+        if self.max_optimistic_tokens == 0:
+            return  # the exact cache is built in before_forward, before the first token: plain prefill
+        on_cuda = self.input_ids.device.type == "cuda"
+        if self.background_start == "immediate" or (self.background_start == "auto" and on_cuda):
+            self._start_background()
+        t = now(self.input_ids.device)
+        self._assemble()
+        self.stats.assemble_s = now(self.input_ids.device) - t
+
+    def _start_background(self) -> None:
+        if self.job.started:
+            return
+        if self.input_ids.device.type == "cpu" and not self.job.synchronous:
+            torch.set_num_threads(max(1, self._fg_threads - self.job.cpu_threads))
+            self._threads_lowered = True
+        self.job.start()
+
+    def _restore_threads(self) -> None:
+        if self._threads_lowered:
+            torch.set_num_threads(self._fg_threads)
+            self._threads_lowered = False
+
+    @torch.no_grad()
+    def _assemble(self) -> None:
+        donor_kv = kv_of(self.donor_cache)
+        if getattr(self.donor_cache, "logical_offset", 0):
+            raise ValueError("donor_cache holds fewer K/V entries than tokens (compressed); it cannot be a donor")
+        if len(donor_kv) != len(self.layers):
+            raise ValueError(f"donor_cache has {len(donor_kv)} layers, the model {len(self.layers)}: "
+                             "was it made by another model?")
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        k0 = donor_kv[0][0]
+        if k0.shape[1] != cfg.num_key_value_heads or k0.shape[-1] != head_dim:
+            raise ValueError(f"donor_cache K/V shape {tuple(k0.shape)} does not fit this model "
+                             f"({cfg.num_key_value_heads} KV heads of size {head_dim})")
+        donor_len = kv_length(donor_kv)
+        if self.donor_ids.shape[1] < donor_len:
+            raise ValueError(f"donor_ids has {self.donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
+        covered = self.input_ids.shape[1] - 1
+        al = align_token_ids(self.donor_ids, self.input_ids, min_span=self.min_span,
+                             donor_limit=donor_len, target_limit=covered)
+        self.alignment = al
+        device = k0.device
+        t2d = al.target_to_donor().to(device)
+        matched = torch.nonzero(t2d >= 0).flatten()
+        src = t2d[matched]
+        kv = empty_kv(donor_kv, covered)
+        if matched.numel():
+            delta = matched - src
+            cos_sin = self._shifter.cos_sin(delta, device) if bool((delta != 0).any()) else None
+            for (dk, dv), (k, v) in zip(kv, donor_kv):
+                keys = k.index_select(-2, src)
+                if cos_sin is not None:
+                    keys = self._shifter.shift(keys, delta, cos_sin)
+                dk.index_copy_(-2, matched, keys)
+                dv.index_copy_(-2, matched, v.index_select(-2, src))
+        unmatched = torch.nonzero(t2d < 0).flatten()
+        if unmatched.numel():
+            partial_forward(self.model, self.input_ids[:, :covered].to(device), unmatched, kv)
+        load_kv(self, kv)
+        self.logical_offset = 0
+        self.stats.reused_tokens = int(matched.numel())
+        self.stats.prefix_tokens = al.prefix_len
+        self.stats.new_tokens = int(unmatched.numel())
+
+    # -- per step ----------------------------------------------------------------------------------------------
+    def before_forward(self, input_ids, next_sequence_length):
+        if self._swapped:
+            return next_sequence_length, {}
+        generated = input_ids.shape[1] - self.input_ids.shape[1]
+        self.job.raise_if_failed()
+        if generated >= 1 and not self.job.started:
+            self._start_background()
+        limit = self.max_optimistic_tokens
+        if not (self.job.ready() or (limit is not None and generated >= limit)):
+            return next_sequence_length, {}
+        feed = self._swap_in(input_ids)
+        keep = feed if (self.record_divergence and generated > 0) else 1
+        return feed, {"logits_to_keep": keep}
+
+    def _swap_in(self, input_ids: torch.Tensor) -> int:
+        """Load the exact prefix K/V; return how many trailing tokens must be fed to replay the rest."""
+        t = now(self.input_ids.device)
+        if not self.job.started:
+            self._start_background()
+        kv = self.job.result()
+        self.stats.wait_s += now(self.input_ids.device) - t
+        self._restore_threads()
+        load_kv(self, kv)
+        self.logical_offset = 0
+        n = self.input_ids.shape[1]
+        generated = input_ids.shape[1] - n
+        self._swapped = True
+        self.stats.swap_step = generated
+        self.stats.optimistic_tokens = generated
+        self.stats.exact = True
+        self._replay = input_ids[0, n:] if self.record_divergence and generated > 0 else None
+        return input_ids.shape[1] - (n - 1)
+
+    def after_forward(self, outputs) -> None:
+        self._forwards += 1
+        if self._forwards == 1:
+            self.stats.ttft_s = now(self.input_ids.device) - self._t0
+        if self._replay is not None:
+            self._count_divergence(outputs.logits[0, :-1], self._replay)
+            self._replay = None
+
+    def _count_divergence(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        diff = (logits.argmax(-1) != tokens.to(logits.device)).nonzero()
+        self.stats.divergent_tokens = int(diff.numel())
+        self.stats.first_divergence = int(diff[0, 0]) if diff.numel() else None
+
+    # -- generate exit -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self, sequences, error) -> None:
+        job = self.job
+        try:
+            if error is not None or job is None:
+                return
+            n = self.input_ids.shape[1]
+            self.stats.generated_tokens = int(sequences.shape[1] - n) if sequences is not None else 0
+            if self._swapped:
+                return
+            self.stats.optimistic_tokens = self.stats.generated_tokens
+            if self.on_early_finish == "cancel" or sequences is None:
+                job.raise_if_failed()
+                return
+            # make the returned cache exact: exact prefix + replay of every fed token
+            fed = sequences[:, : sequences.shape[1] - 1]
+            feed = self._swap_in(fed)
+            replay = fed[:, -feed:].to(self.input_ids.device)
+            pos = torch.arange(n - 1, fed.shape[1], device=replay.device)[None]
+            out = self.model(input_ids=replay, position_ids=pos, cache=self, use_cache=True,
+                             logits_to_keep=0 if self.record_divergence else 1)
+            if self._replay is not None:
+                self._count_divergence(out.logits[0, :-1], self._replay)
+                self._replay = None
+        finally:
+            if job is not None:
+                if job.ready():
+                    job.join()
+                else:
+                    job.cancel()
+                self.stats.background_prefill_s = job.elapsed_s
+            self._restore_threads()
+
+
+def _as_batch1(ids: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"{name} must be one sequence ([1, T]); batched or padded inputs are not supported "
+                         f"by OptimisticCache yet (got shape {tuple(ids.shape)})")
+    return ids
+
+
+def _check_call(cache: OptimisticCache, model, input_ids, kwargs: dict) -> None:
+    """Refuse ``generate`` calls whose result would silently be wrong."""
+    from ..generation.mixin import _generation_target
+
+    if _generation_target(model) is not _generation_target(cache.model):
+        raise ValueError("this cache was built for another model object; build it with the model you generate with")
+    if input_ids is None:
+        raise ValueError("call generate with the prompt ids the cache was built for (input_ids=...)")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"OptimisticCache supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
+    if not torch.equal(input_ids.to(cache.input_ids.device), cache.input_ids):
+        raise ValueError("generate was called with different input_ids than the OptimisticCache was built for "
+                         "(pass the full prompt, not only a suffix)")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise ValueError("padded attention_mask: OptimisticCache does not support padded batches")
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    for key in ("num_beams", "num_return_sequences"):
+        val = kwargs.get(key, getattr(gen_cfg, key, 1)) or 1
+        if val > 1:
+            raise ValueError(f"{key}={val} is not supported with OptimisticCache (batch size 1 only)")
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("assisted/speculative decoding is not supported with OptimisticCache")

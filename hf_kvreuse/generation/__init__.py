@@ -1,0 +1,8 @@
+"""Generation machinery: the generate mixin, background prefill, partial recompute."""
+
+from .background import BackgroundPrefill
+from .mixin import KVReuseGenerationMixin, disable, enable, is_enabled
+from .partial import partial_forward, position_causal_mask
+
+__all__ = ["BackgroundPrefill", "KVReuseGenerationMixin", "enable", "disable", "is_enabled", "partial_forward",
+           "position_causal_mask"]

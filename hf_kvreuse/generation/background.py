@@ -1,0 +1,157 @@
+"""Exact prefill off the critical path: a worker thread on CPU, a side CUDA stream (driven by a thread) on GPU.
+
+The job prefills ``input_ids`` into a fresh ``DynamicCache`` and reports readiness without blocking the
+decode loop. Pitfalls handled (HF_API.md §2.3): grad mode is thread-local, so the worker enters ``no_grad``
+itself (F8); on GPU the work is queued on a side stream that first waits for the main stream, readiness is an
+event polled with ``query()``, and the consumer waits on that event and calls ``record_stream`` on every tensor
+it takes over, so the caching allocator does not recycle them early. An exception in the worker is kept and
+re-raised in the caller by :meth:`result` / :meth:`raise_if_failed`. ``torch.set_num_threads`` is per thread,
+so on CPU the worker sets its own intra-op thread count.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from ..kv import KV, kv_of
+
+
+class BackgroundPrefill:
+    """Prefill ``input_ids`` (all of it) in the background.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+    input_ids : LongTensor ``[1, T]``
+        Tokens to prefill at positions ``0..T-1``.
+    chunk_tokens : int, optional
+        Prefill in chunks of this many tokens (cancellation is checked between chunks). Default: one forward.
+    cpu_threads : int, default=1
+        Intra-op threads of the worker on CPU.
+    synchronous : bool, default=False
+        Run in the caller's thread at :meth:`start` (used when nothing should overlap).
+    """
+
+    def __init__(self, model, input_ids: torch.Tensor, chunk_tokens: int | None = None, cpu_threads: int = 1,
+                 synchronous: bool = False):
+        self.model, self.input_ids = model, input_ids
+        self.chunk_tokens, self.cpu_threads, self.synchronous = chunk_tokens, cpu_threads, synchronous
+        self.device = input_ids.device
+        self.on_cuda = self.device.type == "cuda"
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._cache: DynamicCache | None = None
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._event = None
+        self._stream = None
+        self.elapsed_s: float | None = None
+        self.started = False
+        # test hook: called in the worker before the prefill (e.g. to inject a failure or a delay)
+        self.before_run: Callable[[], None] | None = None
+
+    # -- worker --------------------------------------------------------------------------------------------
+    def _prefill(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        ids = self.input_ids
+        step = self.chunk_tokens or ids.shape[1]
+        for s in range(0, ids.shape[1], step):
+            if self._cancel.is_set():
+                raise _Cancelled()
+            e = min(s + step, ids.shape[1])
+            pos = torch.arange(s, e, device=ids.device)[None]
+            self.model(input_ids=ids[:, s:e], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if self.before_run is not None:
+                    self.before_run()
+                if self.on_cuda:
+                    with torch.cuda.stream(self._stream):
+                        self._cache = self._prefill()
+                        self._event.record(self._stream)
+                else:
+                    if not self.synchronous:
+                        torch.set_num_threads(self.cpu_threads)
+                    self._cache = self._prefill()
+        except _Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the caller of generate
+            self._error = e
+        finally:
+            self.elapsed_s = time.perf_counter() - t0
+            self._done.set()
+
+    # -- control -------------------------------------------------------------------------------------------
+    def start(self) -> "BackgroundPrefill":
+        if self.started:
+            return self
+        self.started = True
+        if self.on_cuda:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._event = torch.cuda.Event(enable_timing=False)
+            # the prompt (and the model's weights) were produced on the caller's stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.synchronous:
+            self._run()
+        else:
+            self._thread = threading.Thread(target=self._run, name="hf_kvreuse-prefill", daemon=True)
+            self._thread.start()
+        return self
+
+    def ready(self) -> bool:
+        """True when the exact cache can be taken without waiting (never blocks)."""
+        if not self._done.is_set():
+            return False
+        if self.on_cuda and self._error is None and self._cache is not None:
+            return self._event.query()
+        return True
+
+    @property
+    def failed(self) -> bool:
+        return self._done.is_set() and self._error is not None
+
+    def raise_if_failed(self) -> None:
+        if self.failed:
+            raise RuntimeError("background exact prefill failed") from self._error
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def result(self) -> KV:
+        """Wait for the job and return the exact KV, ready for use on the caller's current stream."""
+        if not self.started:
+            self.start()
+        self.join()
+        self.raise_if_failed()
+        if self._cache is None:
+            raise RuntimeError("background exact prefill was cancelled")
+        kv = kv_of(self._cache)
+        if self.on_cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self._event)
+            for k, v in kv:  # tensors allocated on the side stream are now used on `current`
+                k.record_stream(current)
+                v.record_stream(current)
+        return kv
+
+    def cancel(self) -> None:
+        """Stop at the next chunk boundary and wait for the worker to exit (errors are dropped)."""
+        self._cancel.set()
+        self.join()
+        if self.on_cuda and self._stream is not None:
+            self._stream.synchronize()
+
+
+class _Cancelled(Exception):
+    pass

@@ -1,0 +1,101 @@
+"""KV slicing and splicing across all layers of a transformers cache.
+
+A "KV list" is ``list[tuple[K, V]]`` with one entry per layer, tensors ``[B, H_kv, T, D]``. Every cache in the
+library reads donors and writes its assembled state through these helpers, so layer iteration, dtype/device
+handling and the HF layer API (``cache.layers[i].keys``) live in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import Cache, DynamicCache
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+Index = slice | torch.Tensor | Sequence[int]
+
+
+def _physical_len(layer) -> int:
+    keys = getattr(layer, "keys", None)
+    return 0 if keys is None or keys.numel() == 0 else keys.shape[-2]
+
+
+def kv_of(cache: Cache | KV) -> KV:
+    """The per-layer ``(K, V)`` tensors of a cache (or a KV list, returned as is)."""
+    if isinstance(cache, list):
+        return cache
+    if not isinstance(cache, Cache):
+        raise TypeError(f"expected a transformers Cache or a list of (K, V), got {type(cache).__name__}")
+    out = []
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", True):
+            raise ValueError(f"cache layer {i} is empty or not a key/value layer ({type(layer).__name__})")
+        out.append((layer.keys, layer.values))
+    return out
+
+
+def kv_length(cache: Cache | KV) -> int:
+    """Physical number of cached tokens (checked equal across layers)."""
+    lens = {k.shape[-2] for k, _ in kv_of(cache)}
+    if len(lens) != 1:
+        raise ValueError(f"layers hold different numbers of tokens: {sorted(lens)} (sliding-window cache?)")
+    return lens.pop()
+
+
+def _index(idx: Index, device: torch.device) -> slice | torch.Tensor:
+    if isinstance(idx, slice):
+        return idx
+    return torch.as_tensor(idx, dtype=torch.long, device=device)
+
+
+def slice_kv(cache: Cache | KV, idx: Index) -> KV:
+    """Tokens ``idx`` (a slice or positions) of every layer."""
+    out = []
+    for k, v in kv_of(cache):
+        i = _index(idx, k.device)
+        if isinstance(i, slice):
+            out.append((k[..., i, :], v[..., i, :]))
+        else:
+            out.append((k.index_select(-2, i), v.index_select(-2, i)))
+    return out
+
+
+def cat_kv(*parts: KV) -> KV:
+    """Concatenate KV lists along the token axis."""
+    parts = [p for p in parts if p]
+    return [(torch.cat([p[l][0] for p in parts], -2), torch.cat([p[l][1] for p in parts], -2))
+            for l in range(len(parts[0]))]
+
+
+def scatter_kv(dst: KV, idx: Index, src: KV) -> None:
+    """In place: ``dst[l][..., idx, :] = src[l]`` for every layer."""
+    for (dk, dv), (sk, sv) in zip(dst, src):
+        i = _index(idx, dk.device)
+        if isinstance(i, slice):
+            dk[..., i, :], dv[..., i, :] = sk, sv
+        else:
+            dk.index_copy_(-2, i, sk)
+            dv.index_copy_(-2, i, sv)
+
+
+def empty_kv(like: KV, length: int) -> KV:
+    """Zero KV of ``length`` tokens with the shapes, dtype and device of ``like``."""
+    return [(k.new_zeros(*k.shape[:-2], length, k.shape[-1]), v.new_zeros(*v.shape[:-2], length, v.shape[-1]))
+            for k, v in like]
+
+
+def load_kv(cache: Cache, kv: KV) -> Cache:
+    """Replace the contents of ``cache``'s layers with ``kv`` (lazily initialising empty layers)."""
+    if len(kv) != len(cache.layers):
+        raise ValueError(f"KV has {len(kv)} layers, the cache {len(cache.layers)}")
+    for layer, (k, v) in zip(cache.layers, kv):
+        if not layer.is_initialized:
+            layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+def dynamic_cache_from_kv(kv: KV, config) -> DynamicCache:
+    """A ``DynamicCache(config=config)`` holding ``kv``."""
+    return load_kv(DynamicCache(config=config), kv)

@@ -1,0 +1,112 @@
+"""RoPE re-positioning of cached (post-RoPE) keys by per-token position deltas.
+
+Cached keys are stored after RoPE: ``k_p = s * R(p) k``. Rotations compose, so a key computed at position ``p``
+moves to ``p + delta`` with ``R(delta) k_p`` (METHODS.md §1.2); values carry no position and are unchanged.
+The angles come from the model's own ``rotary_emb.inv_freq`` in float32 (never a hand-written theta) and the
+YaRN/LongRoPE magnitude factor ``s`` is not applied twice. This is exact when ``inv_freq`` does not depend on
+the sequence length: rope types default, linear, llama3, yarn, proportional. ``dynamic`` and ``longrope``
+change ``inv_freq`` with the length (and mutate the module during forward), so they are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+class UnsupportedRopeError(ValueError):
+    """The model's RoPE variant cannot be re-positioned exactly."""
+
+
+def find_rotary_embedding(model: nn.Module) -> nn.Module:
+    """The model's shared rotary-embedding module (the first module with an ``inv_freq`` buffer)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "inv_freq") and name.endswith("rotary_emb"):
+            return module
+    for _, module in model.named_modules():
+        if hasattr(module, "inv_freq"):
+            return module
+    raise UnsupportedRopeError(f"{type(model).__name__} has no rotary embedding (inv_freq); RoPE models only")
+
+
+def rope_type_of(model_or_rotary: nn.Module) -> str:
+    rot = model_or_rotary if hasattr(model_or_rotary, "inv_freq") else find_rotary_embedding(model_or_rotary)
+    return getattr(rot, "rope_type", "default")
+
+
+def check_rope_supported(model: nn.Module) -> str:
+    """Return the model's rope type, or raise :class:`UnsupportedRopeError` naming it."""
+    rope_type = rope_type_of(model)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedRopeError(
+            f"rope_type={rope_type!r} cannot be re-positioned exactly: its frequencies depend on the sequence "
+            f"length. Supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    return rope_type
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeShifter:
+    """Re-positions post-RoPE keys of one model.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A transformers causal LM (or its rotary module) with half-split RoPE (Llama, Qwen2/3, Mistral, ...).
+
+    Examples
+    --------
+    >>> shifter = RopeShifter(model)
+    >>> keys_at_new_positions = shifter.shift(keys, delta)      # keys [B, H, T, D], delta int or [T] / [B, T]
+    """
+
+    def __init__(self, model: nn.Module):
+        rot = model if hasattr(model, "inv_freq") else find_rotary_embedding(model)
+        rope_type = getattr(rot, "rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            check_rope_supported(rot)
+        # A frozen float32 copy: the module's buffer may be in bf16 or mutated by dynamic variants.
+        self.inv_freq = rot.inv_freq.detach().float().clone()
+        self.rope_type = rope_type
+
+    def cos_sin(self, delta: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of ``delta * inv_freq`` in float32, shape ``[..., rot_dim]``."""
+        inv = self.inv_freq.to(device)
+        ang = delta.to(device=device, dtype=torch.float32)[..., None] * inv
+        ang = torch.cat((ang, ang), dim=-1)
+        return ang.cos(), ang.sin()
+
+    def shift(self, keys: torch.Tensor, delta: int | torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Move post-RoPE ``keys`` ``[B, H, T, D]`` by ``delta`` positions (int, ``[T]`` or ``[B, T]``).
+
+        Pass ``cos_sin`` from :meth:`cos_sin` to reuse it across layers.
+        """
+        B, H, T, D = keys.shape
+        if cos_sin is None:
+            if isinstance(delta, int):
+                if delta == 0:
+                    return keys
+                delta = torch.full((T,), delta, dtype=torch.long)
+            cos_sin = self.cos_sin(delta, keys.device)
+        cos, sin = cos_sin
+        if cos.dim() == 2:  # [T, rot] -> [1, 1, T, rot]
+            cos, sin = cos[None, None], sin[None, None]
+        else:  # [B, T, rot] -> [B, 1, T, rot]
+            cos, sin = cos[:, None], sin[:, None]
+        rot_dim = cos.shape[-1]
+        k = keys.float()
+        k_rot, k_pass = k[..., :rot_dim], k[..., rot_dim:]  # partial rotary: only the first rot_dim dims turn
+        k_rot = k_rot * cos + rotate_half(k_rot) * sin
+        return torch.cat((k_rot, k_pass), dim=-1).to(keys.dtype) if rot_dim < D else k_rot.to(keys.dtype)
+
+
+def rope_shift(keys: torch.Tensor, delta: int | torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """One-shot form of :meth:`RopeShifter.shift`."""
+    return RopeShifter(model).shift(keys, delta)

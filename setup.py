@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hf_kvreuse",
+    version="0.1.0",
+    description="KV-cache reuse beyond exact prefix caching for multi-agent / multi-model pipelines, "
+                "as drop-in HuggingFace transformers caches",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hf_kvreuse", "hf_kvreuse.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.17,<5.30",
+        "peft>=0.17",
+        "accelerate>=1.0",
+        "gguf>=0.10",       # transformers' gguf_file= loader (offline SmolLM2)
+        "numpy",
+    ],
+    extras_require={
+        "dev": ["pytest>=8"],
+        "bench": ["matplotlib>=3.7"],
+        "triton": ["triton>=3.0"],
+    },
+)
