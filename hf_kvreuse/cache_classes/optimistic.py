@@ -283,9 +283,11 @@ class OptimisticCache(KVReuseCache):
             pos = torch.arange(n - 1, fed.shape[1], device=replay.device)[None]
             out = self.model(input_ids=replay, position_ids=pos, cache=self, use_cache=True,
                              logits_to_keep=0 if self.record_divergence else 1)
-            if self._replay is not None:
-                self._count_divergence(out.logits[0, :-1], self._replay)
-                self._replay = None
+            # every generated token was optimistic, the last one (never fed) included
+            self.stats.swap_step = self.stats.optimistic_tokens = self.stats.generated_tokens
+            if self.record_divergence:
+                self._count_divergence(out.logits[0], sequences[0, n:])
+            self._replay = None
         finally:
             if job is not None:
                 if job.ready():

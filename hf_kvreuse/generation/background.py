@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
-
 import torch
 from transformers import DynamicCache
 
@@ -52,8 +50,6 @@ class BackgroundPrefill:
         self._stream = None
         self.elapsed_s: float | None = None
         self.started = False
-        # test hook: called in the worker before the prefill (e.g. to inject a failure or a delay)
-        self.before_run: Callable[[], None] | None = None
 
     # -- worker --------------------------------------------------------------------------------------------
     def _prefill(self) -> DynamicCache:
@@ -72,8 +68,6 @@ class BackgroundPrefill:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                if self.before_run is not None:
-                    self.before_run()
                 if self.on_cuda:
                     with torch.cuda.stream(self._stream):
                         self._cache = self._prefill()

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from hf_kvreuse import enable, tiny_model
+
+torch.set_num_threads(2)
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def arch_model(request):
+    return enable(tiny_model(request.param))
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return enable(tiny_model("llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_eager():
+    return enable(tiny_model("llama", attn_implementation="eager"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from hf_kvreuse import load_smollm2
+
+    model, tok = load_smollm2()
+    return enable(model), tok
+
+
+def agent_prompts(seed=0, shared=40, role_a=6, role_b=9, vocab=128):
+    """Two prompts sharing a block of `shared` tokens after different role prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(3, vocab, (1, shared), generator=g)
+    ra = torch.randint(3, vocab, (1, role_a), generator=g)
+    rb = torch.randint(3, vocab, (1, role_b), generator=g)
+    return torch.cat([ra, q], 1), torch.cat([rb, q], 1)

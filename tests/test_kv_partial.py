@@ -1,0 +1,81 @@
+import torch
+from transformers import DynamicCache
+
+from hf_kvreuse import KVReuseCache, cat_kv, kv_length, kv_of, load_kv, partial_forward, scatter_kv, slice_kv
+from hf_kvreuse.generation.partial import position_causal_mask
+from hf_kvreuse.kv import empty_kv
+
+
+def _prefill(model, ids):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids, cache=cache, logits_to_keep=0)
+    return cache, out.logits
+
+
+def test_slice_cat_scatter_round_trip(llama):
+    ids = torch.randint(3, 128, (1, 20))
+    cache, _ = _prefill(llama, ids)
+    kv = kv_of(cache)
+    a, b = slice_kv(cache, slice(0, 7)), slice_kv(cache, torch.arange(7, 20))
+    whole = cat_kv(a, b)
+    for (k, v), (k2, v2) in zip(kv, whole):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    dst = empty_kv(kv, 20)
+    perm = torch.randperm(20)
+    scatter_kv(dst, perm, slice_kv(kv, perm))
+    for (k, v), (k2, v2) in zip(kv, dst):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert kv_length(dst) == 20
+
+
+def test_mask_equals_dense_reference():
+    pos = torch.tensor([0, 1, 2, 5, 6, 9])
+    rows = torch.tensor([1, 3, 5])
+    valid = torch.tensor([True, True, False, True, True, True])
+    mask = position_causal_mask(pos[rows], pos, torch.float32, valid)[0, 0]
+    dense = torch.full((3, 6), torch.finfo(torch.float32).min)
+    for j, r in enumerate(rows.tolist()):
+        for i in range(6):
+            if pos[i] <= pos[r] and valid[i]:
+                dense[j, i] = 0
+    assert torch.equal(mask, dense)
+
+
+def test_partial_forward_all_rows_equals_full_prefill(arch_model):
+    ids = torch.randint(3, 128, (1, 24))
+    ref, ref_logits = _prefill(arch_model, ids)
+    kv = empty_kv(kv_of(ref), 24)
+    out = partial_forward(arch_model, ids, torch.arange(24), kv, logits_to_keep=0)
+    torch.testing.assert_close(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_partial_forward_rows_on_exact_cache_are_exact(arch_model):
+    """Recomputing any row subset on top of exact K/V reproduces those rows (no future leak)."""
+    ids = torch.randint(3, 128, (1, 30))
+    ref, _ = _prefill(arch_model, ids)
+    kv = [(k.clone(), v.clone()) for k, v in kv_of(ref)]
+    rows = torch.tensor([0, 3, 4, 17, 29])
+    garbage = [(torch.randn_like(k[..., rows, :]), torch.randn_like(v[..., rows, :])) for k, v in kv]
+    scatter_kv(kv, rows, garbage)
+    partial_forward(arch_model, ids, rows, kv)
+    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_logical_length_of_compressed_cache(llama):
+    """A cache physically holding fewer entries than tokens: generate feeds only new tokens (HF_API F2)."""
+    ids = torch.randint(3, 128, (1, 16))
+    full, _ = _prefill(llama, ids[:, :15])
+    keep = torch.tensor([0, 1, 2, 3, 11, 12, 13, 14])  # 4 sink + last 4 of the 15 cached tokens
+    cache = KVReuseCache(llama)
+    load_kv(cache, slice_kv(full, keep))
+    cache.logical_offset = 15 - keep.numel()
+    assert cache.get_seq_length() == 15 and cache.get_query_offset() == keep.numel()
+    out = llama.generate(ids, cache=cache, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == 21
+    assert cache.physical_length() == keep.numel() + 5  # last prompt token + 4 fed generated tokens

@@ -1,0 +1,227 @@
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvreuse import OptimisticCache, enable, is_enabled, kv_of, tiny_model
+from hf_kvreuse.generation.background import BackgroundPrefill
+
+from conftest import agent_prompts
+
+GEN = dict(max_new_tokens=16, do_sample=False)
+
+
+def _donor(model, ids, new=8):
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+    return out.cache, out.sequences
+
+
+def _cache(model, ids_b, donor, **kw):
+    return OptimisticCache(model, input_ids=ids_b, donor_cache=donor[0], donor_ids=donor[1], **kw)
+
+
+def _no_worker_alive():
+    return not any(t.name == "hf_kvreuse-prefill" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.fixture
+def slow_background(monkeypatch):
+    """Make the background prefill take `delay` seconds so the swap step is deterministic."""
+    orig = BackgroundPrefill._prefill
+
+    def slow(self):
+        time.sleep(0.3)
+        return orig(self)
+
+    monkeypatch.setattr(BackgroundPrefill, "_prefill", slow)
+
+
+def test_donor_equal_to_target_is_plain_generate(arch_model):
+    ids_a, _ = agent_prompts(0)
+    donor = _donor(arch_model, ids_a)
+    ref = arch_model.generate(ids_a, **GEN)
+    cache = _cache(arch_model, ids_a, donor, max_optimistic_tokens=None)
+    out = arch_model.generate(ids_a, cache=cache, **GEN)
+    assert torch.equal(out, ref)
+    assert cache.stats.new_tokens == 0 and cache.stats.prefix_tokens == ids_a.shape[1] - 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_zero_optimistic_tokens_is_plain_generate(arch_model, do_sample):
+    ids_a, ids_b = agent_prompts(1)
+    donor = _donor(arch_model, ids_a)
+    kw = dict(max_new_tokens=16, do_sample=do_sample, top_k=0)
+    torch.manual_seed(5)
+    ref = arch_model.generate(ids_b, **kw)
+    cache = _cache(arch_model, ids_b, donor, max_optimistic_tokens=0)
+    torch.manual_seed(5)
+    out = arch_model.generate(ids_b, cache=cache, **kw)
+    assert torch.equal(out, ref)
+    assert cache.stats.swap_step == 0 and cache.stats.exact
+
+
+@pytest.mark.parametrize("swap_at", [1, 3, 7])
+def test_continuation_after_swap_is_exact(arch_model, slow_background, swap_at):
+    ids_a, ids_b = agent_prompts(2)
+    donor = _donor(arch_model, ids_a)
+    cache = _cache(arch_model, ids_b, donor, max_optimistic_tokens=swap_at)
+    out = arch_model.generate(ids_b, cache=cache, **GEN)
+    assert cache.stats.swap_step == swap_at
+    n = ids_b.shape[1]
+    cut = out[:, : n + swap_at]
+    ref = arch_model.generate(cut, max_new_tokens=GEN["max_new_tokens"] - swap_at, do_sample=False)
+    assert torch.equal(out, ref)
+    # the returned cache is the exact cache of every fed token
+    exact = DynamicCache(config=arch_model.config)
+    with torch.no_grad():
+        arch_model(out[:, :-1], cache=exact)
+    for (k, v), (ek, ev) in zip(kv_of(cache), kv_of(exact)):
+        torch.testing.assert_close(k, ek, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, ev, atol=1e-4, rtol=1e-4)
+
+
+def test_optimistic_tokens_differ_and_divergence_is_counted(llama, slow_background):
+    ids_a, ids_b = agent_prompts(3, shared=30, role_a=4, role_b=12)
+    donor = _donor(llama, ids_a)
+    cache = _cache(llama, ids_b, donor, max_optimistic_tokens=8)
+    out = llama.generate(ids_b, cache=cache, **GEN)
+    n = ids_b.shape[1]
+    exact_greedy = llama.generate(ids_b, **GEN)
+    # count by hand: positions where the exact model's greedy choice (given the same earlier tokens) differs
+    with torch.no_grad():
+        logits = llama(out[:, : n + 8]).logits[0, n - 1: n + 7]
+    manual = int((logits.argmax(-1) != out[0, n: n + 8]).sum())
+    assert cache.stats.divergent_tokens == manual
+    assert cache.stats.optimistic_tokens == 8 and cache.stats.reused_tokens > 0
+    assert not torch.equal(out, exact_greedy) or manual == 0
+
+
+def test_sampling_with_swap_runs(llama, slow_background):
+    ids_a, ids_b = agent_prompts(4)
+    donor = _donor(llama, ids_a)
+    cache = _cache(llama, ids_b, donor, max_optimistic_tokens=3)
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=12, do_sample=True, temperature=0.8)
+    assert out.shape[1] == ids_b.shape[1] + 12 and cache.stats.swap_step == 3
+    assert cache.physical_length() == out.shape[1] - 1
+
+
+def test_both_keywords(llama):
+    ids_a, ids_b = agent_prompts(5)
+    donor = _donor(llama, ids_a)
+    ref = llama.generate(ids_b, **GEN)
+    out1 = llama.generate(ids_b, cache=_cache(llama, ids_b, donor, max_optimistic_tokens=0), **GEN)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out2 = llama.generate(ids_b, past_key_values=_cache(llama, ids_b, donor, max_optimistic_tokens=0), **GEN)
+    assert torch.equal(out1, ref) and torch.equal(out2, ref)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_return_dict_and_chain_of_three(llama):
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(3, 128, (1, 30), generator=g)
+    roles = [torch.randint(3, 128, (1, 5 + i), generator=g) for i in range(3)]
+    ids = torch.cat([roles[0], q], 1)
+    out = llama.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    answers = [out.sequences[:, ids.shape[1]:]]
+    for i in (1, 2):
+        ids = torch.cat([roles[i], q] + answers, 1)
+        cache = OptimisticCache(llama, input_ids=ids, donor_cache=out.cache, donor_ids=out.sequences,
+                                max_optimistic_tokens=2)
+        out = llama.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+        assert out.cache is cache and cache.stats.exact
+        assert cache.stats.reused_tokens >= q.shape[1]  # the question and earlier answers came from the donor
+        answers.append(out.sequences[:, ids.shape[1]:])
+
+
+def test_background_error_reaches_caller(llama, monkeypatch):
+    def boom(self):
+        raise ValueError("injected failure")
+
+    monkeypatch.setattr(BackgroundPrefill, "_prefill", boom)
+    ids_a, ids_b = agent_prompts(6)
+    donor = _donor(llama, ids_a)
+    for mot in (None, 4, 0):
+        cache = _cache(llama, ids_b, donor, max_optimistic_tokens=mot)
+        with pytest.raises(RuntimeError, match="background exact prefill failed") as info:
+            llama.generate(ids_b, cache=cache, **GEN)
+        assert isinstance(info.value.__cause__, ValueError)
+        assert _no_worker_alive()
+
+
+def test_no_worker_outlives_generate(llama, slow_background):
+    ids_a, ids_b = agent_prompts(7)
+    donor = _donor(llama, ids_a)
+    for finish in ("swap", "cancel"):
+        cache = _cache(llama, ids_b, donor, max_optimistic_tokens=None, on_early_finish=finish)
+        llama.generate(ids_b, cache=cache, max_new_tokens=2, do_sample=False)
+        assert _no_worker_alive()
+        assert cache.stats.exact == (finish == "swap")
+        assert cache.stats.optimistic_tokens == 2
+
+
+def test_early_finish_swap_returns_exact_cache(llama, slow_background):
+    ids_a, ids_b = agent_prompts(8)
+    donor = _donor(llama, ids_a)
+    cache = _cache(llama, ids_b, donor, max_optimistic_tokens=None)
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=3, do_sample=False)
+    exact = DynamicCache(config=llama.config)
+    with torch.no_grad():
+        llama(out[:, :-1], cache=exact)
+    for (k, v), (ek, ev) in zip(kv_of(cache), kv_of(exact)):
+        torch.testing.assert_close(k, ek, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, ev, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_attention(llama_eager, slow_background):
+    ids_a, ids_b = agent_prompts(10)
+    donor = _donor(llama_eager, ids_a)
+    cache = _cache(llama_eager, ids_b, donor, max_optimistic_tokens=4)
+    out = llama_eager.generate(ids_b, cache=cache, **GEN)
+    n = ids_b.shape[1]
+    ref = llama_eager.generate(out[:, : n + 4], max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_clear_errors(llama):
+    ids_a, ids_b = agent_prompts(11)
+    donor = _donor(llama, ids_a)
+    with pytest.raises(ValueError, match="batched or padded"):
+        _cache(llama, torch.cat([ids_b, ids_b]), donor)
+    with pytest.raises(ValueError, match="different input_ids"):
+        llama.generate(ids_b[:, 5:], cache=_cache(llama, ids_b, donor), **GEN)
+    with pytest.raises(ValueError, match="num_beams"):
+        llama.generate(ids_b, cache=_cache(llama, ids_b, donor), max_new_tokens=4, num_beams=2)
+    with pytest.raises(ValueError, match="padded"):
+        mask = torch.ones_like(ids_b)
+        mask[0, 0] = 0
+        llama.generate(ids_b, attention_mask=mask, cache=_cache(llama, ids_b, donor), **GEN)
+    cache = _cache(llama, ids_b, donor, max_optimistic_tokens=0)
+    llama.generate(ids_b, cache=cache, **GEN)
+    with pytest.raises(RuntimeError, match="one generate call"):
+        llama.generate(ids_b, cache=cache, **GEN)
+    other = enable(tiny_model("qwen3"))
+    with pytest.raises(ValueError, match="another model"):
+        other.generate(ids_b, cache=_cache(llama, ids_b, donor), **GEN)
+    with pytest.raises(ValueError, match="layers"):
+        big = enable(tiny_model("llama", num_hidden_layers=3))
+        big.generate(ids_b, cache=_cache(big, ids_b, donor), **GEN)
+    assert _no_worker_alive()
+
+
+def test_enable_is_idempotent_and_keeps_class_name(tmp_path):
+    model = tiny_model("llama")
+    name = type(model).__name__
+    assert enable(enable(model)) is model and is_enabled(model)
+    assert type(model).__name__ == name
+    model.save_pretrained(tmp_path)
+    assert name in (tmp_path / "config.json").read_text()
+
+
+def test_plain_generate_unaffected(llama):
+    ids = torch.randint(3, 128, (1, 12))
+    plain = tiny_model("llama")  # same seed, not enabled
+    assert torch.equal(llama.generate(ids, **GEN), plain.generate(ids, **GEN))
