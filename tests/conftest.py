@@ -38,3 +38,16 @@ def agent_prompts(seed=0, shared=40, role_a=6, role_b=9, vocab=128):
     ra = torch.randint(3, vocab, (1, role_a), generator=g)
     rb = torch.randint(3, vocab, (1, role_b), generator=g)
     return torch.cat([ra, q], 1), torch.cat([rb, q], 1)
+
+
+def exact_prefill(model, ids, start=0):
+    """Plain full prefill of `ids` at positions start.. into a fresh DynamicCache: (cache, all logits)."""
+    from transformers import DynamicCache
+
+    from hf_kvreuse.compat import cache_kwargs
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids, position_ids=torch.arange(start, start + ids.shape[1])[None], logits_to_keep=0,
+                    **cache_kwargs(cache))
+    return cache, out.logits

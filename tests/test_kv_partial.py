@@ -1,16 +1,11 @@
 import torch
-from transformers import DynamicCache
 
 from hf_kvreuse import KVReuseCache, cat_kv, kv_length, kv_of, load_kv, partial_forward, scatter_kv, slice_kv
 from hf_kvreuse.generation.partial import position_causal_mask
 from hf_kvreuse.kv import empty_kv
 
 
-def _prefill(model, ids):
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        out = model(ids, cache=cache, logits_to_keep=0)
-    return cache, out.logits
+from conftest import exact_prefill as _prefill
 
 
 def test_slice_cat_scatter_round_trip(llama):

@@ -4,12 +4,11 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from hf_kvreuse import OptimisticCache, enable, is_enabled, kv_of, tiny_model
 from hf_kvreuse.generation.background import BackgroundPrefill
 
-from conftest import agent_prompts
+from conftest import agent_prompts, exact_prefill
 
 GEN = dict(max_new_tokens=16, do_sample=False)
 
@@ -75,9 +74,7 @@ def test_continuation_after_swap_is_exact(arch_model, slow_background, swap_at):
     ref = arch_model.generate(cut, max_new_tokens=GEN["max_new_tokens"] - swap_at, do_sample=False)
     assert torch.equal(out, ref)
     # the returned cache is the exact cache of every fed token
-    exact = DynamicCache(config=arch_model.config)
-    with torch.no_grad():
-        arch_model(out[:, :-1], cache=exact)
+    exact, _ = exact_prefill(arch_model, out[:, :-1])
     for (k, v), (ek, ev) in zip(kv_of(cache), kv_of(exact)):
         torch.testing.assert_close(k, ek, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v, ev, atol=1e-4, rtol=1e-4)
@@ -168,9 +165,7 @@ def test_early_finish_swap_returns_exact_cache(llama, slow_background):
     donor = _donor(llama, ids_a)
     cache = _cache(llama, ids_b, donor, max_optimistic_tokens=None)
     out = llama.generate(ids_b, cache=cache, max_new_tokens=3, do_sample=False)
-    exact = DynamicCache(config=llama.config)
-    with torch.no_grad():
-        llama(out[:, :-1], cache=exact)
+    exact, _ = exact_prefill(llama, out[:, :-1])
     for (k, v), (ek, ev) in zip(kv_of(cache), kv_of(exact)):
         torch.testing.assert_close(k, ek, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v, ev, atol=1e-4, rtol=1e-4)

@@ -5,6 +5,8 @@ from transformers import DynamicCache
 from hf_kvreuse import RopeShifter, UnsupportedRopeError, OptimisticCache, tiny_model
 from hf_kvreuse.rope import check_rope_supported
 
+from conftest import exact_prefill
+
 THETA = 10000.0
 ROPES = {
     "default": None,
@@ -21,10 +23,7 @@ def _model(rope):
 
 
 def _prefill(model, ids, start):
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids, position_ids=torch.arange(start, start + ids.shape[1])[None], cache=cache)
-    return cache
+    return exact_prefill(model, ids, start)[0]
 
 
 @pytest.mark.parametrize("rope", list(ROPES))

@@ -27,6 +27,7 @@ import torch
 from transformers import Cache
 
 from ..alignment import Alignment, align_token_ids
+from ..compat import cache_kwargs
 from ..generation.background import BackgroundPrefill
 from ..generation.partial import partial_forward
 from ..kv import empty_kv, kv_length, kv_of, load_kv
@@ -78,7 +79,7 @@ class OptimisticCache(KVReuseCache):
         ``return_dict_in_generate=True``). Read, never modified.
     donor_ids : LongTensor ``[1, L]``
         The donor's tokens (e.g. ``out.sequences``); only the first ``donor_cache`` length of them have K/V.
-    max_optimistic_tokens : int or None, default=32
+    max_optimistic_tokens : int or None, default=16
         At most this many tokens come from the optimistic cache: at that step the foreground waits for the exact
         cache. 0 waits before the first token (plain prefill); None never waits.
     record_divergence : bool, default=True
@@ -88,8 +89,9 @@ class OptimisticCache(KVReuseCache):
     background_start : {"auto", "immediate", "after_first_token"}, default="auto"
         When the exact prefill starts. "auto": immediately on GPU (side stream), after the first token on CPU,
         where both compete for the same cores and starting early would delay the first token.
-    background_chunk_tokens : int, optional
-        Prefill the exact cache in chunks of this size (cancellation checks between chunks).
+    background_chunk_tokens : int or "auto", default="auto"
+        Prefill the exact cache in chunks of this size; between chunks the job checks for cancellation and, on
+        CPU, takes all cores once the foreground waits for it. "auto": 256 on CPU, one forward on GPU.
     background_threads : int, optional
         CPU only: intra-op threads of the background worker (default half the cores); the foreground uses the
         rest while both run.
@@ -99,9 +101,9 @@ class OptimisticCache(KVReuseCache):
     """
 
     def __init__(self, model, input_ids: torch.Tensor, donor_cache: Cache, donor_ids: torch.Tensor, *,
-                 max_optimistic_tokens: int | None = 32, record_divergence: bool = True, min_span: int = 4,
+                 max_optimistic_tokens: int | None = 16, record_divergence: bool = True, min_span: int = 4,
                  background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
-                 background_chunk_tokens: int | None = None, background_threads: int | None = None,
+                 background_chunk_tokens: int | Literal["auto"] | None = "auto", background_threads: int | None = None,
                  on_early_finish: Literal["swap", "cancel"] = "swap"):
         from ..generation.mixin import enable
 
@@ -144,13 +146,16 @@ class OptimisticCache(KVReuseCache):
         self._fg_threads = torch.get_num_threads()
         self._threads_lowered = False
         n = self.input_ids.shape[1]
+        on_cuda = self.input_ids.device.type == "cuda"
+        chunk = self.background_chunk_tokens
+        if chunk == "auto":
+            chunk = None if on_cuda else 256
         self.job = BackgroundPrefill(
-            model, self.input_ids[:, : n - 1], chunk_tokens=self.background_chunk_tokens,
-            cpu_threads=self.background_threads or max(1, self._fg_threads // 2),
+            model, self.input_ids[:, : n - 1], chunk_tokens=chunk,
+            cpu_threads=self.background_threads or max(1, self._fg_threads // 2), max_threads=self._fg_threads,
             synchronous=self.max_optimistic_tokens == 0)
         if self.max_optimistic_tokens == 0:
             return  # the exact cache is built in before_forward, before the first token: plain prefill
-        on_cuda = self.input_ids.device.type == "cuda"
         if self.background_start == "immediate" or (self.background_start == "auto" and on_cuda):
             self._start_background()
         t = now(self.input_ids.device)
@@ -281,8 +286,8 @@ class OptimisticCache(KVReuseCache):
             feed = self._swap_in(fed)
             replay = fed[:, -feed:].to(self.input_ids.device)
             pos = torch.arange(n - 1, fed.shape[1], device=replay.device)[None]
-            out = self.model(input_ids=replay, position_ids=pos, cache=self, use_cache=True,
-                             logits_to_keep=0 if self.record_divergence else 1)
+            out = self.model(input_ids=replay, position_ids=pos, use_cache=True,
+                             logits_to_keep=0 if self.record_divergence else 1, **cache_kwargs(self))
             # every generated token was optimistic, the last one (never fed) included
             self.stats.swap_step = self.stats.optimistic_tokens = self.stats.generated_tokens
             if self.record_divergence:

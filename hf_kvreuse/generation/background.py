@@ -6,7 +6,8 @@ itself (F8); on GPU the work is queued on a side stream that first waits for the
 event polled with ``query()``, and the consumer waits on that event and calls ``record_stream`` on every tensor
 it takes over, so the caching allocator does not recycle them early. An exception in the worker is kept and
 re-raised in the caller by :meth:`result` / :meth:`raise_if_failed`. ``torch.set_num_threads`` is per thread,
-so on CPU the worker sets its own intra-op thread count.
+so on CPU the worker sets its own intra-op thread count, and raises it between chunks once the foreground
+stops decoding and waits (:meth:`boost`): otherwise a core would idle while the caller blocks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from ..compat import cache_kwargs
 from ..kv import KV, kv_of
 
 
@@ -30,15 +32,19 @@ class BackgroundPrefill:
     chunk_tokens : int, optional
         Prefill in chunks of this many tokens (cancellation is checked between chunks). Default: one forward.
     cpu_threads : int, default=1
-        Intra-op threads of the worker on CPU.
+        Intra-op threads of the worker on CPU while the foreground also computes.
+    max_threads : int, optional
+        Threads the worker may use once the foreground waits for it (default: the caller's thread count).
     synchronous : bool, default=False
         Run in the caller's thread at :meth:`start` (used when nothing should overlap).
     """
 
     def __init__(self, model, input_ids: torch.Tensor, chunk_tokens: int | None = None, cpu_threads: int = 1,
-                 synchronous: bool = False):
+                 max_threads: int | None = None, synchronous: bool = False):
         self.model, self.input_ids = model, input_ids
         self.chunk_tokens, self.cpu_threads, self.synchronous = chunk_tokens, cpu_threads, synchronous
+        self.max_threads = max_threads or torch.get_num_threads()
+        self._threads_wanted = cpu_threads
         self.device = input_ids.device
         self.on_cuda = self.device.type == "cuda"
         self._thread: threading.Thread | None = None
@@ -56,12 +62,16 @@ class BackgroundPrefill:
         cache = DynamicCache(config=self.model.config)
         ids = self.input_ids
         step = self.chunk_tokens or ids.shape[1]
+        threads = None
         for s in range(0, ids.shape[1], step):
             if self._cancel.is_set():
                 raise _Cancelled()
+            if not self.on_cuda and not self.synchronous and threads != self._threads_wanted:
+                threads = self._threads_wanted
+                torch.set_num_threads(threads)
             e = min(s + step, ids.shape[1])
             pos = torch.arange(s, e, device=ids.device)[None]
-            self.model(input_ids=ids[:, s:e], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=ids[:, s:e], position_ids=pos, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
         return cache
 
     def _run(self) -> None:
@@ -73,8 +83,6 @@ class BackgroundPrefill:
                         self._cache = self._prefill()
                         self._event.record(self._stream)
                 else:
-                    if not self.synchronous:
-                        torch.set_num_threads(self.cpu_threads)
                     self._cache = self._prefill()
         except _Cancelled:
             pass
@@ -122,10 +130,15 @@ class BackgroundPrefill:
             self._thread.join()
             self._thread = None
 
+    def boost(self) -> None:
+        """Let the worker use ``max_threads`` from its next chunk on (the caller has stopped computing)."""
+        self._threads_wanted = self.max_threads
+
     def result(self) -> KV:
         """Wait for the job and return the exact KV, ready for use on the caller's current stream."""
         if not self.started:
             self.start()
+        self.boost()
         self.join()
         self.raise_if_failed()
         if self._cache is None:

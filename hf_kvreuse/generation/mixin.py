@@ -17,15 +17,14 @@ from __future__ import annotations
 from transformers import GenerationMixin
 
 from ..cache_classes.base import KVReuseCache
+from ..compat import CACHE_KW, find_cache
 
 _ENABLED: dict[type, type] = {}
 
 
 def _find_cache(kwargs: dict) -> KVReuseCache | None:
-    for key in ("cache", "past_key_values"):
-        if isinstance(kwargs.get(key), KVReuseCache):
-            return kwargs[key]
-    return None
+    cache = find_cache(kwargs)
+    return cache if isinstance(cache, KVReuseCache) else None
 
 
 class KVReuseGenerationMixin(GenerationMixin):
@@ -33,8 +32,10 @@ class KVReuseGenerationMixin(GenerationMixin):
         cache = _find_cache(kwargs)
         if cache is None:
             return super().generate(inputs, *args, **kwargs)
-        if "past_key_values" in kwargs:  # same object, newer keyword: spares users a deprecation warning
-            kwargs["cache"] = kwargs.pop("past_key_values")
+        # either keyword works on every supported release (and spares users a deprecation warning)
+        other = "past_key_values" if CACHE_KW == "cache" else "cache"
+        if other in kwargs:
+            kwargs[CACHE_KW] = kwargs.pop(other)
         input_ids = kwargs.get("input_ids", inputs)
         cache.prepare(self, input_ids, kwargs)
         error, out = None, None
@@ -54,17 +55,17 @@ class KVReuseGenerationMixin(GenerationMixin):
             if finish_error is not None and error is None:
                 raise finish_error
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         extra = {}
+        cache = find_cache(kwargs)
         if isinstance(cache, KVReuseCache):
             next_sequence_length, extra = cache.before_forward(input_ids, next_sequence_length)
-        inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
-                                                       cache=cache, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length, **kwargs)
         inputs.update(extra)
         return inputs
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
-        cache = model_kwargs.get("cache")
+        cache = find_cache(model_kwargs)
         if isinstance(cache, KVReuseCache):
             cache.after_forward(outputs)
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from ..compat import cache_kwargs
 from ..kv import KV
 
 
@@ -84,4 +85,4 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
     mask = position_causal_mask(row_pos, positions, kv[0][0].dtype, col_valid)
     cache = _ScatterCache(model.config, kv, rows)
     return model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None], attention_mask=mask,
-                 cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
+                 use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))

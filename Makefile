@@ -1,0 +1,26 @@
+# `make demo` and `make test` work on a fresh clone: both create .venv and install the package first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch 2.13.0: on the project's CPU machines pip takes the CPU build that lies on disk
+TORCH ?= torch==2.13.0
+
+$(VENV)/.installed: setup.py
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
+	touch $@
+
+.PHONY: install demo test test-fast bench bench-gpu
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) benchmarks/optimistic.py

