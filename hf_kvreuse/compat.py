@@ -27,3 +27,9 @@ def find_cache(kwargs: dict):
         if kwargs.get(name) is not None:
             return kwargs[name]
     return None
+
+
+def output_cache(output):
+    """The cache of a ``generate`` / forward output: ``.cache`` on 5.2x, ``.past_key_values`` before."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)

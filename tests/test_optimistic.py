@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_kvreuse import OptimisticCache, enable, is_enabled, kv_of, tiny_model
+from hf_kvreuse.compat import output_cache
 from hf_kvreuse.generation.background import BackgroundPrefill
 
 from conftest import agent_prompts, exact_prefill
@@ -15,7 +16,7 @@ GEN = dict(max_new_tokens=16, do_sample=False)
 
 def _donor(model, ids, new=8):
     out = model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
-    return out.cache, out.sequences
+    return output_cache(out), out.sequences
 
 
 def _cache(model, ids_b, donor, **kw):
@@ -126,10 +127,10 @@ def test_return_dict_and_chain_of_three(llama):
     answers = [out.sequences[:, ids.shape[1]:]]
     for i in (1, 2):
         ids = torch.cat([roles[i], q] + answers, 1)
-        cache = OptimisticCache(llama, input_ids=ids, donor_cache=out.cache, donor_ids=out.sequences,
+        cache = OptimisticCache(llama, input_ids=ids, donor_cache=output_cache(out), donor_ids=out.sequences,
                                 max_optimistic_tokens=2)
         out = llama.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
-        assert out.cache is cache and cache.stats.exact
+        assert output_cache(out) is cache and cache.stats.exact
         assert cache.stats.reused_tokens >= q.shape[1]  # the question and earlier answers came from the donor
         answers.append(out.sequences[:, ids.shape[1]:])
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_kvreuse import OptimisticCache, RopeShifter
+from hf_kvreuse.compat import output_cache
 from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
 
 from conftest import exact_prefill
@@ -37,7 +38,7 @@ def two_agents(smollm2):
 
 def test_swap_continuation_is_exact(two_agents):
     model, out_a, ids_b = two_agents
-    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=out_a.cache, donor_ids=out_a.sequences,
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
                             max_optimistic_tokens=6)
     out = model.generate(ids_b, cache=cache, max_new_tokens=20, do_sample=False)
     s = cache.stats
@@ -51,7 +52,7 @@ def test_swap_continuation_is_exact(two_agents):
 def test_zero_optimistic_tokens_is_plain_generate(two_agents):
     model, out_a, ids_b = two_agents
     ref = model.generate(ids_b, max_new_tokens=12, do_sample=False)
-    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=out_a.cache, donor_ids=out_a.sequences,
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
                             max_optimistic_tokens=0)
     assert torch.equal(model.generate(ids_b, past_key_values=cache, max_new_tokens=12, do_sample=False), ref)
 
