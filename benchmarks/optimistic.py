@@ -1,0 +1,201 @@
+"""OptimisticCache vs full prefill on 3-agent chains over SQuAD documents (SmolLM2-135M-Instruct, CPU).
+
+For every (shared context length, agent-specific role length) and repetition, a chain of agents
+(researcher -> critic -> writer) runs on one SQuAD document of about `--contexts` tokens. The chain content is
+fixed by full prefill (each agent sees the earlier agents' full-prefill answers); for every transition, the
+next agent is run side by side, in alternating order, with
+
+* full prefill: ``model.generate(ids)``;
+* OptimisticCache: donor = the previous agent's cache and tokens;
+* the floor: prefill of the tokens OptimisticCache had to compute (its ``new_tokens``) on top of an exact cache
+  of the rest, plus one decode step.
+
+TTFT and end-to-end times come from a streamer that timestamps every token (same for both methods). Ratios are
+taken per transition, then the median over transitions is reported. Writes JSON and a PNG plot.
+
+    python benchmarks/optimistic.py [--contexts 512 1024 2048] [--role-tokens 32 128] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import hf_kvreuse
+from hf_kvreuse import OptimisticCache, TokenTimer, dynamic_cache_from_kv, slice_kv
+from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse.compat import cache_kwargs, output_cache
+from hf_kvreuse.datasets import contains_answer, context_for, squad
+from hf_kvreuse.timing import now
+
+HERE = Path(__file__).resolve().parent
+
+
+def floor_seconds(model, ids, exact_cache, new_tokens: int) -> float:
+    """prefill(new_tokens) on an exact cache of the tokens before them, plus one decode step."""
+    covered = ids.shape[1] - 1
+    start = covered - new_tokens
+    cache = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in slice_kv(exact_cache, slice(0, start))],
+                                  model.config)
+    with torch.no_grad():
+        t0 = now()
+        if new_tokens:
+            model(ids[:, start:covered], position_ids=torch.arange(start, covered)[None], logits_to_keep=1,
+                  **cache_kwargs(cache))
+        model(ids[:, covered:], position_ids=torch.tensor([[covered]]), logits_to_keep=1, **cache_kwargs(cache))
+        return now() - t0
+
+
+def run_full(model, ids, gen):
+    timer = TokenTimer().start()
+    out = model.generate(ids, streamer=timer, return_dict_in_generate=True, **gen)
+    return out, timer
+
+
+def run_optimistic(model, ids, donor, gen, max_optimistic_tokens):
+    cache = OptimisticCache(model, input_ids=ids, donor_cache=output_cache(donor), donor_ids=donor.sequences,
+                            max_optimistic_tokens=max_optimistic_tokens)
+    timer = TokenTimer().start()
+    out = model.generate(ids, cache=cache, streamer=timer, **gen)
+    return out, timer, cache.stats
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--role-tokens", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--reps", type=int, default=5, help="chains per setting (each gives 2 transitions)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-optimistic-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "optimistic.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tok = hf_kvreuse.load_smollm2()
+    model = hf_kvreuse.enable(model)
+    items = squad()
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    model.generate(tok("warm up", return_tensors="pt")["input_ids"], max_new_tokens=4)
+
+    rows = []
+    for ctx in args.contexts:
+        for role in args.role_tokens:
+            samples = []
+            for rep in range(args.reps):
+                item = items[(rep * 97 + ctx) % len(items)]
+                doc = context_for(items, item, tok, ctx)
+                earlier = []
+                ids = agent_prompt(tok, DEFAULT_AGENTS[0], doc, item.question, earlier, role)
+                donor, _ = run_full(model, ids, gen)
+                earlier.append((DEFAULT_AGENTS[0].name, tok.decode(donor.sequences[0, ids.shape[1]:],
+                                                                   skip_special_tokens=True).strip()))
+                for k, agent in enumerate(DEFAULT_AGENTS[1:], 1):
+                    ids = agent_prompt(tok, agent, doc, item.question, earlier, role)
+                    n = ids.shape[1]
+                    if (rep + k) % 2:  # alternate the order: machines drift
+                        full, tf = run_full(model, ids, gen)
+                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens)
+                    else:
+                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens)
+                        full, tf = run_full(model, ids, gen)
+                    fl = floor_seconds(model, ids, output_cache(full), st.new_tokens)
+                    full_text = tok.decode(full.sequences[0, n:], skip_special_tokens=True)
+                    opt_text = tok.decode(opt[0, n:], skip_special_tokens=True)
+                    s = dict(rep=rep, agent=agent.name, prompt_tokens=n, full_ttft=tf.ttft_s, full_e2e=tf.total_s,
+                             opt_ttft=to.ttft_s, opt_e2e=to.total_s, floor=fl, **st.as_dict(),
+                             identical=bool(torch.equal(opt, full.sequences)),
+                             first_token_agrees=bool(opt[0, n] == full.sequences[0, n]),
+                             full_correct=contains_answer(full_text, item.answers),
+                             opt_correct=contains_answer(opt_text, item.answers))
+                    samples.append(s)
+                    print(f"ctx {ctx} role {role} rep {rep} {agent.name:8s} N={n} full {tf.ttft_s:.3f}/{tf.total_s:.3f}s "
+                          f"opt {to.ttft_s:.3f}/{to.total_s:.3f}s floor {fl:.3f}s new {st.new_tokens} "
+                          f"swap@{st.swap_step} div {st.divergent_tokens} same={s['identical']}", flush=True)
+                    earlier.append((agent.name, full_text.strip()))
+                    donor = full
+            row = dict(
+                context_tokens=ctx, role_tokens=role, n=len(samples),
+                prompt_tokens=median([s["prompt_tokens"] for s in samples]),
+                new_tokens=median([s["new_tokens"] for s in samples]),
+                full_ttft_s=median([s["full_ttft"] for s in samples]),
+                opt_ttft_s=median([s["opt_ttft"] for s in samples]),
+                floor_s=median([s["floor"] for s in samples]),
+                full_e2e_s=median([s["full_e2e"] for s in samples]),
+                opt_e2e_s=median([s["opt_e2e"] for s in samples]),
+                ttft_speedup=median([s["full_ttft"] / s["opt_ttft"] for s in samples]),
+                ttft_over_floor=median([s["opt_ttft"] / s["floor"] for s in samples]),
+                e2e_ratio=median([s["opt_e2e"] / s["full_e2e"] for s in samples]),
+                swap_step=median([s["swap_step"] for s in samples]),
+                divergent_tokens=median([s["divergent_tokens"] or 0 for s in samples]),
+                identical_rate=sum(s["identical"] for s in samples) / len(samples),
+                first_token_agreement=sum(s["first_token_agrees"] for s in samples) / len(samples),
+                full_accuracy=sum(s["full_correct"] for s in samples) / len(samples),
+                opt_accuracy=sum(s["opt_correct"] for s in samples) / len(samples),
+                samples=samples)
+            rows.append(row)
+
+    meta = dict(command=" ".join([Path(sys.executable).name] + sys.argv), date=time.strftime("%Y-%m-%d %H:%M"),
+                torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
+                cpu=platform.processor() or platform.machine(), max_new_tokens=args.max_new_tokens,
+                max_optimistic_tokens=args.max_optimistic_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print_table(rows)
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def print_table(rows):
+    print("\n| shared ctx | role tok | prompt | new tok | TTFT full | TTFT opt | floor | TTFT speed-up | TTFT/floor "
+          "| E2E full | E2E opt | E2E ratio | swap step | divergent | identical | acc full/opt |")
+    print("|---" * 16 + "|")
+    for r in rows:
+        print(f"| {r['context_tokens']} | {r['role_tokens']} | {r['prompt_tokens']:.0f} | {r['new_tokens']:.0f} "
+              f"| {r['full_ttft_s']:.3f} s | {r['opt_ttft_s']:.3f} s | {r['floor_s']:.3f} s | {r['ttft_speedup']:.1f}x "
+              f"| {r['ttft_over_floor']:.2f} | {r['full_e2e_s']:.2f} s | {r['opt_e2e_s']:.2f} s | {r['e2e_ratio']:.2f} "
+              f"| {r['swap_step']:.0f} | {r['divergent_tokens']:.0f} | {r['identical_rate']:.0%} "
+              f"| {r['full_accuracy']:.0%}/{r['opt_accuracy']:.0%} |")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for role in sorted({r["role_tokens"] for r in rows}):
+        rr = [r for r in rows if r["role_tokens"] == role]
+        x = [r["context_tokens"] for r in rr]
+        axes[0].plot(x, [r["full_ttft_s"] for r in rr], "o-", label=f"full prefill (role {role})")
+        axes[0].plot(x, [r["opt_ttft_s"] for r in rr], "s-", label=f"OptimisticCache (role {role})")
+        axes[0].plot(x, [r["floor_s"] for r in rr], "k:", alpha=0.6, label=f"floor (role {role})")
+        axes[1].plot(x, [r["e2e_ratio"] for r in rr], "s-", label=f"role {role}")
+    axes[0].set(xscale="log", yscale="log", xlabel="shared context (tokens)", ylabel="TTFT (s, median)",
+                title="Time to first token")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].axhline(1.15, color="red", lw=0.8, ls="--", label="target 1.15")
+    axes[1].set(xscale="log", xlabel="shared context (tokens)", ylabel="E2E optimistic / full (median)",
+                title="End-to-end time ratio")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
