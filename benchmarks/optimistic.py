@@ -10,8 +10,9 @@ next agent is run side by side, in alternating order, with
 * the floor: prefill of the tokens OptimisticCache had to compute (its ``new_tokens``) on top of an exact cache
   of the rest, plus one decode step.
 
-TTFT and end-to-end times come from a streamer that timestamps every token (same for both methods). Ratios are
-taken per transition, then the median over transitions is reported. Writes JSON and a PNG plot.
+TTFT and end-to-end times come from a streamer that timestamps every token (same for both methods); every run
+generates exactly ``--max-new-tokens`` tokens (EOS is suppressed) so end-to-end times compare the same work.
+Ratios are taken per transition, then the median over transitions is reported. Writes JSON and a PNG plot.
 
     python benchmarks/optimistic.py [--contexts 512 1024 2048] [--role-tokens 32 128] [--reps 5]
 """
@@ -88,7 +89,8 @@ def main():
     model, tok = hf_kvreuse.load_smollm2()
     model = hf_kvreuse.enable(model)
     items = squad()
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    # every run generates exactly max_new_tokens tokens, so end-to-end times compare the same work
+    gen = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
     model.generate(tok("warm up", return_tensors="pt")["input_ids"], max_new_tokens=4)
 
     rows = []

@@ -3,8 +3,9 @@
 Two entry points, one per level at which a caller knows the shared text:
 
 * :func:`align_token_ids` aligns two token-id sequences (donor vs target): the longest common prefix, which
-  is exactly reusable, then matching non-prefix spans found by :class:`difflib.SequenceMatcher`, which are
-  reusable after RoPE re-positioning (and are context-misaligned beyond layer 0).
+  is exactly reusable, then matching non-prefix spans, which are reusable after RoPE re-positioning (and are
+  context-misaligned beyond layer 0). Spans are found greedily through an index of the donor's n-grams, in
+  time linear in the lengths; they may come from the donor in any order (reordered documents or answers).
 * :func:`block_token_span` maps a block of the *rendered* prompt, given by character offsets, onto the token
   stream of the full prompt, with the boundary rule of METHODS.md §1.1 (chenzhwsysu57/kvreuse
   ``build_prompt_parts``): a token straddling the block start stays with the prefix, a token straddling the
@@ -14,7 +15,6 @@ Two entry points, one per level at which a caller knows the shared text:
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,8 +42,8 @@ class Alignment:
     Attributes
     ----------
     spans : list of Span
-        Non-overlapping, increasing in both donor and target positions. A common prefix, if any, is ``spans[0]``
-        with ``donor_start == target_start == 0``.
+        Non-overlapping, in increasing target order; donor positions may come in any order. A common prefix, if
+        any, is ``spans[0]`` with ``donor_start == target_start == 0``.
     prefix_len : int
         Length of the exact common prefix (reusable without any approximation).
     target_len : int
@@ -77,21 +77,28 @@ def _as_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
 
 
 def align_token_ids(donor_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor,
-                    min_span: int = 4, donor_limit: int | None = None, target_limit: int | None = None) -> Alignment:
+                    min_span: int = 4, donor_limit: int | None = None, target_limit: int | None = None,
+                    max_candidates: int = 32) -> Alignment:
     """Align donor token ids against target token ids.
+
+    After the common prefix, the target is scanned left to right; at each position the donor occurrences of
+    the next ``min_span`` tokens are looked up in an n-gram index, the one giving the longest match is taken
+    (ties: the earliest), and the scan jumps past it. Unmatched positions advance by one.
 
     Parameters
     ----------
     donor_ids, target_ids : sequence of int or LongTensor ``[T]`` / ``[1, T]``
     min_span : int, default=4
-        Non-prefix matches shorter than this are dropped: short coincidental matches (punctuation, template
-        tokens) save little prefill and carry the most context misalignment.
+        Shortest non-prefix match reused: short coincidental matches (punctuation, template tokens) save little
+        prefill and carry the most context misalignment.
     donor_limit : int, optional
         Only donor positions ``< donor_limit`` may be used (e.g. the donor cache's length: the last generated
         token of a donor is never in its cache).
     target_limit : int, optional
         Only target positions ``< target_limit`` are aligned (e.g. ``len(target) - 1``: the last prompt token is
         always fed to the model so that there are logits).
+    max_candidates : int, default=32
+        Donor occurrences of one n-gram that are tried (bounds the time on very repetitive text).
     """
     if min_span < 1:
         raise ValueError("min_span must be >= 1")
@@ -103,10 +110,24 @@ def align_token_ids(donor_ids: Sequence[int] | torch.Tensor, target_ids: Sequenc
             break
         prefix += 1
     spans = [Span(0, 0, prefix)] if prefix else []
-    matcher = difflib.SequenceMatcher(a=donor[prefix:], b=target[prefix:], autojunk=False)
-    for blk in matcher.get_matching_blocks():
-        if blk.size >= min_span:
-            spans.append(Span(blk.a + prefix, blk.b + prefix, blk.size))
+    k = min_span
+    index: dict[tuple[int, ...], list[int]] = {}
+    for j in range(len(donor) - k + 1):
+        index.setdefault(tuple(donor[j:j + k]), []).append(j)
+    i, n_t, n_d = prefix, len(target), len(donor)
+    while i + k <= n_t:
+        best_len, best_j = 0, -1
+        for j in index.get(tuple(target[i:i + k]), ())[:max_candidates]:
+            length = k
+            while i + length < n_t and j + length < n_d and target[i + length] == donor[j + length]:
+                length += 1
+            if length > best_len:
+                best_len, best_j = length, j
+        if best_len:
+            spans.append(Span(best_j, i, best_len))
+            i += best_len
+        else:
+            i += 1
     return Alignment(spans=spans, prefix_len=prefix, target_len=len(target))
 
 

@@ -69,3 +69,27 @@ def test_segment_real_tokenizer_reassembles(smollm2):
     full = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     assert torch.equal(ids, full) and 0 < s < e <= ids.shape[1]
     assert "shared question" in tok.decode(ids[0, s:e])
+
+
+def test_reordered_blocks_are_found():
+    a, b, c = list(range(100, 120)), list(range(200, 215)), list(range(300, 330))
+    donor = [1, 2] + a + [3] + b + [4] + c
+    target = [9] + c + [8] + a + b
+    al = align_token_ids(donor, target)
+    t2d = al.target_to_donor().tolist()
+    assert al.matched == len(a) + len(b) + len(c)
+    assert t2d[1:31] == list(range(donor.index(300), donor.index(300) + 30))
+    assert t2d[32:52] == list(range(2, 22))
+    assert [target[t] for t, d in enumerate(t2d) if d >= 0] == [donor[d] for d in t2d if d >= 0]
+
+
+def test_every_match_is_a_true_match_random():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        donor = torch.randint(0, 6, (200,), generator=g).tolist()  # tiny vocab: many repeats
+        target = donor[50:120] + torch.randint(0, 6, (30,), generator=g).tolist() + donor[:40]
+        al = align_token_ids(donor, target, min_span=5)
+        t2d = al.target_to_donor().tolist()
+        assert all(target[t] == donor[d] for t, d in enumerate(t2d) if d >= 0)
+        assert all(s.length >= 5 for s in al.spans[1 if al.prefix_len else 0:])
+        assert al.matched >= 100  # both copied blocks are found (possibly split differently)

@@ -221,3 +221,26 @@ def test_plain_generate_unaffected(llama):
     ids = torch.randint(3, 128, (1, 12))
     plain = tiny_model("llama")  # same seed, not enabled
     assert torch.equal(llama.generate(ids, **GEN), plain.generate(ids, **GEN))
+
+
+def test_failure_during_assembly_leaves_no_worker(llama, monkeypatch, slow_background):
+    import hf_kvreuse.cache_classes.optimistic as opt
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("assembly failed")
+
+    monkeypatch.setattr(opt, "partial_forward", broken)
+    ids_a, ids_b = agent_prompts(12)
+    donor = _donor(llama, ids_a)
+    cache = _cache(llama, ids_b, donor, background_start="immediate")
+    with pytest.raises(RuntimeError, match="assembly failed"):
+        llama.generate(ids_b, cache=cache, **GEN)
+    assert _no_worker_alive()
+
+
+def test_sliding_window_model_refused():
+    model = tiny_model("mistral", sliding_window=8)
+    ids = torch.randint(3, 128, (1, 12))
+    donor = _donor(enable(model), ids)
+    with pytest.raises(ValueError, match="sliding-window"):
+        _cache(model, ids, donor)

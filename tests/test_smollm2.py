@@ -65,3 +65,24 @@ def test_rope_shift_real_model(smollm2):
     sh = RopeShifter(model)
     for la, lb in zip(a.layers[::7], b.layers[::7]):
         torch.testing.assert_close(sh.shift(la.keys, 300), lb.keys, atol=2e-3, rtol=1e-3)
+
+
+def test_stock_text_generation_pipeline(smollm2):
+    from transformers import pipeline
+
+    model, tok = smollm2
+    doc = "The Nile flows into the Mediterranean Sea."
+    msgs = [[{"role": "system", "content": role}, {"role": "user", "content": f"{doc} Where does the Nile flow?"}]
+            for role in ("You are a researcher.", "You are a strict critic.")]
+    ids_a, ids_b = (tok.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"] for m in msgs)
+    out_a = model.generate(ids_a, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    ref = pipe(msgs[1], max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
+                            max_optimistic_tokens=0)
+    got = pipe(msgs[1], cache=cache, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
+    assert got == ref and cache.stats.exact
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
+    assert pipe(msgs[1], cache=cache, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
+    assert cache.stats.reused_tokens > 0 and cache.stats.ttft_s is not None

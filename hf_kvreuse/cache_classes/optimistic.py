@@ -136,13 +136,16 @@ class OptimisticCache(KVReuseCache):
         self.alignment: Alignment | None = None
         self.job: BackgroundPrefill | None = None
         self._used = False
+        if any(self.is_sliding):
+            raise ValueError("models with sliding-window attention layers are not supported by OptimisticCache yet")
+        self._check_donor()
 
     # -- generate entry --------------------------------------------------------------------------------------
     def prepare(self, model, input_ids, generate_kwargs) -> None:
         if self._used:
             raise RuntimeError("an OptimisticCache serves one generate call; build a new one for the next prompt")
-        self._used = True
         _check_call(self, model, input_ids, generate_kwargs)
+        self._used = True
         self._t0 = now(self.input_ids.device)
         self._forwards = 0
         self._swapped = False
@@ -176,8 +179,8 @@ class OptimisticCache(KVReuseCache):
             torch.set_num_threads(self._fg_threads)
             self._threads_lowered = False
 
-    @torch.no_grad()
-    def _assemble(self) -> None:
+    def _check_donor(self) -> int:
+        """Validate the donor against the model; return how many donor tokens have K/V."""
         donor_kv = kv_of(self.donor_cache)
         if getattr(self.donor_cache, "logical_offset", 0):
             raise ValueError("donor_cache holds fewer K/V entries than tokens (compressed); it cannot be a donor")
@@ -187,12 +190,19 @@ class OptimisticCache(KVReuseCache):
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         k0 = donor_kv[0][0]
-        if k0.shape[1] != cfg.num_key_value_heads or k0.shape[-1] != head_dim:
+        if k0.shape[0] != 1 or k0.shape[1] != cfg.num_key_value_heads or k0.shape[-1] != head_dim:
             raise ValueError(f"donor_cache K/V shape {tuple(k0.shape)} does not fit this model "
-                             f"({cfg.num_key_value_heads} KV heads of size {head_dim})")
+                             f"(batch 1, {cfg.num_key_value_heads} KV heads of size {head_dim})")
         donor_len = kv_length(donor_kv)
         if self.donor_ids.shape[1] < donor_len:
             raise ValueError(f"donor_ids has {self.donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
+        return donor_len
+
+    @torch.no_grad()
+    def _assemble(self) -> None:
+        donor_kv = kv_of(self.donor_cache)
+        donor_len = kv_length(donor_kv)
+        k0 = donor_kv[0][0]
         covered = self.input_ids.shape[1] - 1
         al = align_token_ids(self.donor_ids, self.input_ids, min_span=self.min_span,
                              donor_limit=donor_len, target_limit=covered)
@@ -295,6 +305,7 @@ class OptimisticCache(KVReuseCache):
                 self._count_divergence(out.logits[0], sequences[0, n:])
             self._replay = None
         finally:
+            self.donor_cache = None  # the donor is not needed any more; do not keep its memory alive
             if job is not None:
                 if job.ready():
                     job.join()

@@ -37,9 +37,9 @@ class KVReuseGenerationMixin(GenerationMixin):
         if other in kwargs:
             kwargs[CACHE_KW] = kwargs.pop(other)
         input_ids = kwargs.get("input_ids", inputs)
-        cache.prepare(self, input_ids, kwargs)
         error, out = None, None
         try:
+            cache.prepare(self, input_ids, kwargs)
             out = super().generate(inputs, *args, **kwargs)
             return out
         except BaseException as e:
