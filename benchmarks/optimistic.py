@@ -83,7 +83,13 @@ def main():
     ap.add_argument("--max-optimistic-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", type=Path, default=HERE / "results" / "optimistic.json")
+    ap.add_argument("--replot", action="store_true", help="only redraw the table and plot from --out")
     args = ap.parse_args()
+    if args.replot:
+        rows = json.loads(args.out.read_text())["rows"]
+        print_table(rows)
+        plot(rows, args.out.with_suffix(".png"))
+        return
     torch.set_num_threads(args.threads)
 
     model, tok = hf_kvreuse.load_smollm2()
@@ -180,13 +186,14 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for role in sorted({r["role_tokens"] for r in rows}):
+    for i, role in enumerate(sorted({r["role_tokens"] for r in rows})):
         rr = [r for r in rows if r["role_tokens"] == role]
         x = [r["context_tokens"] for r in rr]
-        axes[0].plot(x, [r["full_ttft_s"] for r in rr], "o-", label=f"full prefill (role {role})")
-        axes[0].plot(x, [r["opt_ttft_s"] for r in rr], "s-", label=f"OptimisticCache (role {role})")
-        axes[0].plot(x, [r["floor_s"] for r in rr], "k:", alpha=0.6, label=f"floor (role {role})")
-        axes[1].plot(x, [r["e2e_ratio"] for r in rr], "s-", label=f"role {role}")
+        c_full, c_opt = f"C{2 * i}", f"C{2 * i + 1}"
+        axes[0].plot(x, [r["full_ttft_s"] for r in rr], "o-", color=c_full, label=f"full prefill (role {role})")
+        axes[0].plot(x, [r["opt_ttft_s"] for r in rr], "s-", color=c_opt, label=f"OptimisticCache (role {role})")
+        axes[0].plot(x, [r["floor_s"] for r in rr], ":", color=c_opt, label=f"floor: new tokens + 1 step (role {role})")
+        axes[1].plot(x, [r["e2e_ratio"] for r in rr], "s-", color=c_opt, label=f"role {role}")
     axes[0].set(xscale="log", yscale="log", xlabel="shared context (tokens)", ylabel="TTFT (s, median)",
                 title="Time to first token")
     axes[1].axhline(1.0, color="gray", lw=0.8)

@@ -117,7 +117,7 @@ class OptimisticCache(KVReuseCache):
         input_ids = _as_batch1(input_ids, "input_ids")
         if input_ids.shape[1] < 2:
             raise ValueError("OptimisticCache needs a target prompt of at least 2 tokens")
-        self.input_ids = input_ids
+        self.input_ids = input_ids.to(_model_device(model))  # the background job feeds these to the model
         self.donor_cache, self.donor_ids = donor_cache, _as_batch1(donor_ids, "donor_ids")
         if max_optimistic_tokens is not None and max_optimistic_tokens < 0:
             raise ValueError("max_optimistic_tokens must be >= 0 or None")
@@ -138,7 +138,7 @@ class OptimisticCache(KVReuseCache):
         self._used = False
         if any(self.is_sliding):
             raise ValueError("models with sliding-window attention layers are not supported by OptimisticCache yet")
-        self._check_donor()
+        self._donor_len = self._check_donor()
 
     # -- generate entry --------------------------------------------------------------------------------------
     def prepare(self, model, input_ids, generate_kwargs) -> None:
@@ -201,13 +201,11 @@ class OptimisticCache(KVReuseCache):
     @torch.no_grad()
     def _assemble(self) -> None:
         donor_kv = kv_of(self.donor_cache)
-        donor_len = kv_length(donor_kv)
-        k0 = donor_kv[0][0]
         covered = self.input_ids.shape[1] - 1
         al = align_token_ids(self.donor_ids, self.input_ids, min_span=self.min_span,
-                             donor_limit=donor_len, target_limit=covered)
+                             donor_limit=self._donor_len, target_limit=covered)
         self.alignment = al
-        device = k0.device
+        device = donor_kv[0][0].device
         t2d = al.target_to_donor().to(device)
         matched = torch.nonzero(t2d >= 0).flatten()
         src = t2d[matched]
@@ -313,6 +311,10 @@ class OptimisticCache(KVReuseCache):
                     job.cancel()
                 self.stats.background_prefill_s = job.elapsed_s
             self._restore_threads()
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _as_batch1(ids: torch.Tensor, name: str) -> torch.Tensor:

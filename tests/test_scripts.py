@@ -1,0 +1,21 @@
+"""The benchmark scripts stay runnable: a smoke run of the GPU script on CPU with a tiny model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_smoke_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "optimistic_gpu.py"), "--device", "cpu",
+                           "--preset", "tiny", "--reps", "2", "--dtype", "float32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert all(res["checks"][k] for k in ("zero_optimistic_equals_generate", "self_donor_equals_generate",
+                                          "after_swap_equals_generate"))
+    row = res["rows"][0]
+    assert row["opt_ttft_s"] > 0 and row["full_ttft_s"] > 0 and len(row["samples"]) == 2
