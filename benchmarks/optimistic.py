@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,28 +31,14 @@ import torch
 import transformers
 
 import hf_kvreuse
-from hf_kvreuse import OptimisticCache, TokenTimer, dynamic_cache_from_kv, slice_kv
+from hf_kvreuse import OptimisticCache, TokenTimer
 from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
-from hf_kvreuse.compat import cache_kwargs, output_cache
+from hf_kvreuse.compat import output_cache
 from hf_kvreuse.datasets import contains_answer, context_for, squad
-from hf_kvreuse.timing import now
 
 HERE = Path(__file__).resolve().parent
-
-
-def floor_seconds(model, ids, exact_cache, new_tokens: int) -> float:
-    """prefill(new_tokens) on an exact cache of the tokens before them, plus one decode step."""
-    covered = ids.shape[1] - 1
-    start = covered - new_tokens
-    cache = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in slice_kv(exact_cache, slice(0, start))],
-                                  model.config)
-    with torch.no_grad():
-        t0 = now()
-        if new_tokens:
-            model(ids[:, start:covered], position_ids=torch.arange(start, covered)[None], logits_to_keep=1,
-                  **cache_kwargs(cache))
-        model(ids[:, covered:], position_ids=torch.tensor([[covered]]), logits_to_keep=1, **cache_kwargs(cache))
-        return now() - t0
+sys.path.insert(0, str(HERE))
+from common import TIMING_COLUMNS, floor_seconds, markdown_table, summarize  # noqa: E402
 
 
 def run_full(model, ids, gen):
@@ -68,10 +53,6 @@ def run_optimistic(model, ids, donor, gen, max_optimistic_tokens):
     timer = TokenTimer().start()
     out = model.generate(ids, cache=cache, streamer=timer, **gen)
     return out, timer, cache.stats
-
-
-def median(xs):
-    return statistics.median(xs) if xs else None
 
 
 def main():
@@ -135,25 +116,11 @@ def main():
                           f"swap@{st.swap_step} div {st.divergent_tokens} same={s['identical']}", flush=True)
                     earlier.append((agent.name, full_text.strip()))
                     donor = full
-            row = dict(
-                context_tokens=ctx, role_tokens=role, n=len(samples),
-                prompt_tokens=median([s["prompt_tokens"] for s in samples]),
-                new_tokens=median([s["new_tokens"] for s in samples]),
-                full_ttft_s=median([s["full_ttft"] for s in samples]),
-                opt_ttft_s=median([s["opt_ttft"] for s in samples]),
-                floor_s=median([s["floor"] for s in samples]),
-                full_e2e_s=median([s["full_e2e"] for s in samples]),
-                opt_e2e_s=median([s["opt_e2e"] for s in samples]),
-                ttft_speedup=median([s["full_ttft"] / s["opt_ttft"] for s in samples]),
-                ttft_over_floor=median([s["opt_ttft"] / s["floor"] for s in samples]),
-                e2e_ratio=median([s["opt_e2e"] / s["full_e2e"] for s in samples]),
-                swap_step=median([s["swap_step"] for s in samples]),
-                divergent_tokens=median([s["divergent_tokens"] or 0 for s in samples]),
-                identical_rate=sum(s["identical"] for s in samples) / len(samples),
-                first_token_agreement=sum(s["first_token_agrees"] for s in samples) / len(samples),
-                full_accuracy=sum(s["full_correct"] for s in samples) / len(samples),
-                opt_accuracy=sum(s["opt_correct"] for s in samples) / len(samples),
-                samples=samples)
+            row = dict(context_tokens=ctx, role_tokens=role, **summarize(samples),
+                       first_token_agreement=sum(s["first_token_agrees"] for s in samples) / len(samples),
+                       full_accuracy=sum(s["full_correct"] for s in samples) / len(samples),
+                       opt_accuracy=sum(s["opt_correct"] for s in samples) / len(samples),
+                       samples=samples)
             rows.append(row)
 
     meta = dict(command=" ".join([Path(sys.executable).name] + sys.argv), date=time.strftime("%Y-%m-%d %H:%M"),
@@ -168,15 +135,11 @@ def main():
 
 
 def print_table(rows):
-    print("\n| shared ctx | role tok | prompt | new tok | TTFT full | TTFT opt | floor | TTFT speed-up | TTFT/floor "
-          "| E2E full | E2E opt | E2E ratio | swap step | divergent | identical | acc full/opt |")
-    print("|---" * 16 + "|")
-    for r in rows:
-        print(f"| {r['context_tokens']} | {r['role_tokens']} | {r['prompt_tokens']:.0f} | {r['new_tokens']:.0f} "
-              f"| {r['full_ttft_s']:.3f} s | {r['opt_ttft_s']:.3f} s | {r['floor_s']:.3f} s | {r['ttft_speedup']:.1f}x "
-              f"| {r['ttft_over_floor']:.2f} | {r['full_e2e_s']:.2f} s | {r['opt_e2e_s']:.2f} s | {r['e2e_ratio']:.2f} "
-              f"| {r['swap_step']:.0f} | {r['divergent_tokens']:.0f} | {r['identical_rate']:.0%} "
-              f"| {r['full_accuracy']:.0%}/{r['opt_accuracy']:.0%} |")
+    columns = [("shared ctx", lambda r: str(r["context_tokens"])), ("role tok", lambda r: str(r["role_tokens"])),
+               *TIMING_COLUMNS, ("divergent", lambda r: f"{r['divergent_tokens']:.0f}"),
+               ("identical", lambda r: f"{r['identical_rate']:.0%}"),
+               ("acc full/opt", lambda r: f"{r['full_accuracy']:.0%}/{r['opt_accuracy']:.0%}")]
+    print("\n" + markdown_table(rows, columns))
 
 
 def plot(rows, path):

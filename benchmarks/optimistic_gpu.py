@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,11 +24,12 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_kvreuse
-from hf_kvreuse import OptimisticCache, TokenTimer, dynamic_cache_from_kv, slice_kv
+from hf_kvreuse import OptimisticCache, TokenTimer
 from hf_kvreuse.compat import cache_kwargs, output_cache
-from hf_kvreuse.timing import now
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import TIMING_COLUMNS, floor_seconds, markdown_table, seconds, summarize  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -75,21 +75,6 @@ def donor_output(model, ids_a, answer):
     return cache, seq
 
 
-def floor_seconds(model, ids, exact, new_tokens):
-    covered = ids.shape[1] - 1
-    start = covered - new_tokens
-    cache = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in slice_kv(exact, slice(0, start))], model.config)
-    dev = ids.device
-    with torch.no_grad():
-        t0 = now()
-        if new_tokens:
-            model(ids[:, start:covered], position_ids=torch.arange(start, covered, device=dev)[None],
-                  logits_to_keep=1, **cache_kwargs(cache))
-        model(ids[:, covered:], position_ids=torch.tensor([[covered]], device=dev), logits_to_keep=1,
-              **cache_kwargs(cache))
-        return now() - t0
-
-
 def check_exactness(device) -> dict:
     """float32 on the device: the three correctness gates of the library."""
     model = build("smollm2-135m" if device.type == "cuda" else "tiny", device, torch.float32)
@@ -124,6 +109,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-optimistic-tokens", type=int, default=None,
                     help="default None: swap as soon as the side stream is done")
+    ap.add_argument("--background-start", default="auto", choices=["auto", "immediate", "after_first_token"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "optimistic_gpu.json")
@@ -138,7 +124,7 @@ def main():
                 torch=torch.__version__, transformers=transformers.__version__, device=str(device),
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None, dtype=args.dtype,
                 role_tokens=args.role_tokens, answer_tokens=args.answer_tokens, max_new_tokens=args.max_new_tokens,
-                max_optimistic_tokens=args.max_optimistic_tokens)
+                max_optimistic_tokens=args.max_optimistic_tokens, background_start=args.background_start)
     print(json.dumps(meta))
     checks = check_exactness(device)
     print("exactness checks (fp32):", checks, flush=True)
@@ -164,7 +150,8 @@ def main():
                         res["full"] = (timer.ttft_s, timer.total_s, out)
                     else:
                         cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids,
-                                                max_optimistic_tokens=args.max_optimistic_tokens)
+                                                max_optimistic_tokens=args.max_optimistic_tokens,
+                                                background_start=args.background_start)
                         out = model.generate(ids_b, cache=cache, streamer=timer, **gen)
                         res["opt"] = (timer.ttft_s, timer.total_s, out, cache.stats)
                 st = res["opt"][3]
@@ -178,28 +165,18 @@ def main():
                       f"opt {s['opt_ttft']*1e3:.1f}/{s['opt_e2e']*1e3:.0f} ms, floor {fl*1e3:.1f} ms, "
                       f"swap@{st.swap_step}, bg {st.background_prefill_s and st.background_prefill_s*1e3:.0f} ms",
                       flush=True)
-            med = lambda k: statistics.median(x[k] for x in samples)  # noqa: E731
-            rows.append(dict(model=shape, context_tokens=ctx, prompt_tokens=samples[0]["prompt_tokens"],
-                             new_tokens=med("new_tokens"), full_ttft_s=med("full_ttft"), opt_ttft_s=med("opt_ttft"),
-                             floor_s=med("floor"), full_e2e_s=med("full_e2e"), opt_e2e_s=med("opt_e2e"),
-                             ttft_speedup=statistics.median(x["full_ttft"] / x["opt_ttft"] for x in samples),
-                             ttft_over_floor=statistics.median(x["opt_ttft"] / x["floor"] for x in samples),
-                             e2e_ratio=statistics.median(x["opt_e2e"] / x["full_e2e"] for x in samples),
-                             swap_step=med("swap_step"), samples=samples))
+            rows.append(dict(model=shape, context_tokens=ctx, **summarize(samples), samples=samples))
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, checks=checks, rows=rows), indent=1))
-    print("\n| model | shared ctx | prompt | new tok | TTFT full | TTFT opt | floor | TTFT speed-up | TTFT/floor "
-          "| E2E full | E2E opt | E2E ratio | swap step |")
-    print("|---" * 13 + "|")
-    for r in rows:
-        print(f"| {r['model']} | {r['context_tokens']} | {r['prompt_tokens']} | {r['new_tokens']:.0f} "
-              f"| {r['full_ttft_s']*1e3:.1f} ms | {r['opt_ttft_s']*1e3:.1f} ms | {r['floor_s']*1e3:.1f} ms "
-              f"| {r['ttft_speedup']:.1f}x | {r['ttft_over_floor']:.2f} | {r['full_e2e_s']*1e3:.0f} ms "
-              f"| {r['opt_e2e_s']*1e3:.0f} ms | {r['e2e_ratio']:.2f} | {r['swap_step']:.0f} |")
+    ms = {"TTFT full": "full_ttft_s", "TTFT opt": "opt_ttft_s", "floor": "floor_s", "E2E full": "full_e2e_s",
+          "E2E opt": "opt_e2e_s"}
+    columns = [("model", lambda r: r["model"]), ("shared ctx", lambda r: str(r["context_tokens"]))] + [
+        (h, seconds(ms[h], 1e3, "ms", 1) if h in ms else f) for h, f in TIMING_COLUMNS]
+    print("\n" + markdown_table(rows, columns))
     print(f"wrote {args.out}")
 
 

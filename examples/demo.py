@@ -3,7 +3,7 @@
 Agents share the document, the question and earlier answers but each has its own role text at the start, so
 prefix caching cannot help. For agents 2 and 3 the previous agent's cache is the donor of an OptimisticCache.
 
-    python examples/demo.py [--context-tokens 1024] [--max-new-tokens 48] [--item 3]
+    python examples/demo.py [--context-tokens 1024] [--max-new-tokens 48] [--item 145]
 """
 
 import argparse
@@ -22,7 +22,7 @@ def main():
     ap.add_argument("--context-tokens", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--max-optimistic-tokens", type=int, default=16)
-    ap.add_argument("--item", type=int, default=3, help="SQuAD item (question) index")
+    ap.add_argument("--item", type=int, default=145, help="SQuAD item (question) index")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -2,6 +2,7 @@
 
 from .alignment import Alignment, Span, align_token_ids, block_token_span, segment_prompt
 from .cache_classes import KVReuseCache, OptimisticCache, OptimisticStats
+from .compat import output_cache
 from .generation import BackgroundPrefill, disable, enable, is_enabled, partial_forward
 from .kv import cat_kv, dynamic_cache_from_kv, kv_length, kv_of, load_kv, scatter_kv, slice_kv
 from .models import load_smollm2, smollm2_path, tiny_model
@@ -12,7 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Alignment", "Span", "align_token_ids", "block_token_span", "segment_prompt",
-    "KVReuseCache", "OptimisticCache", "OptimisticStats",
+    "KVReuseCache", "OptimisticCache", "OptimisticStats", "output_cache",
     "BackgroundPrefill", "enable", "disable", "is_enabled", "partial_forward",
     "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",
     "load_smollm2", "smollm2_path", "tiny_model",
