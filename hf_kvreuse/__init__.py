@@ -7,7 +7,7 @@ from .generation import BackgroundPrefill, disable, enable, is_enabled, partial_
 from .kv import cat_kv, dynamic_cache_from_kv, kv_length, kv_of, load_kv, scatter_kv, slice_kv
 from .models import load_smollm2, smollm2_path, tiny_model
 from .rope import RopeShifter, UnsupportedRopeError, check_rope_supported, rope_shift
-from .timing import TokenTimer, now, synchronize, timed
+from .timing import TokenTimer, now, synchronize
 
 __version__ = "0.1.0"
 
@@ -18,5 +18,5 @@ __all__ = [
     "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",
     "load_smollm2", "smollm2_path", "tiny_model",
     "RopeShifter", "UnsupportedRopeError", "check_rope_supported", "rope_shift",
-    "TokenTimer", "now", "synchronize", "timed",
+    "TokenTimer", "now", "synchronize",
 ]

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 
 
 class UnsupportedRopeError(ValueError):

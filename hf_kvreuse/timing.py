@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,16 +17,6 @@ def now(device: torch.device | str | None = None) -> float:
     """``time.perf_counter()`` after a device synchronisation."""
     synchronize(device)
     return time.perf_counter()
-
-
-@contextmanager
-def timed(out: dict, key: str, device: torch.device | str | None = None):
-    """``with timed(stats, "prefill_s"): ...`` adds the synchronised wall time of the block to ``stats[key]``."""
-    t0 = now(device)
-    try:
-        yield
-    finally:
-        out[key] = out.get(key, 0.0) + now(device) - t0
 
 
 class TokenTimer:
@@ -65,21 +52,3 @@ class TokenTimer:
     @property
     def total_s(self) -> float:
         return self.stamps[-1] - self.t0
-
-
-@dataclass
-class Samples:
-    """Repeated measurements of one quantity."""
-
-    values: list[float] = field(default_factory=list)
-
-    def add(self, v: float) -> None:
-        self.values.append(float(v))
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    def summary(self) -> dict:
-        v = self.values
-        return {"median": self.median, "min": min(v), "max": max(v), "n": len(v)}
