@@ -74,3 +74,33 @@ def test_logical_length_of_compressed_cache(llama):
     out = llama.generate(ids, cache=cache, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == 21
     assert cache.physical_length() == keep.numel() + 5  # last prompt token + 4 fed generated tokens
+
+
+def test_layer_ranges_compose_to_full_prefill(arch_model):
+    """Layers [0, c) for all rows, then [c, L) for all rows == one full forward (the engine's layer path)."""
+    ids = torch.randint(3, 128, (1, 20))
+    ref, ref_logits = _prefill(arch_model, ids)
+    kv = empty_kv(kv_of(ref), 20)
+    rows = torch.arange(20)
+    n_layers = arch_model.config.num_hidden_layers
+    h = partial_forward(arch_model, ids, rows, kv, layers=range(0, 1))
+    h = partial_forward(arch_model, ids, rows, kv, layers=range(1, n_layers), hidden_states=h)
+    torch.testing.assert_close(arch_model.lm_head(h), ref_logits, atol=1e-4, rtol=1e-4)
+    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_range_subset_rows_is_exact_on_exact_cache(arch_model):
+    """CacheBlend's shape: all rows through layer 0, a row subset through the rest, on exact K/V elsewhere."""
+    ids = torch.randint(3, 128, (1, 24))
+    ref, _ = _prefill(arch_model, ids)
+    kv = [(k.clone(), v.clone()) for k, v in kv_of(ref)]
+    rows = torch.tensor([2, 9, 10, 23])
+    scatter_kv(kv, rows, [(torch.zeros_like(k[..., rows, :]), torch.zeros_like(v[..., rows, :])) for k, v in kv])
+    h = partial_forward(arch_model, ids, torch.arange(24), kv, layers=range(0, 1))
+    partial_forward(arch_model, ids, rows, kv, layers=range(1, arch_model.config.num_hidden_layers),
+                    hidden_states=h[:, rows])
+    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)

@@ -5,6 +5,12 @@ cache (reused, possibly stale). Each recomputed row attends to every present col
 position is not after its own: ``mask[j, i] = pos[i] <= pos[S[j]]`` (METHODS.md §3.3: the CacheBlend research
 code lets recomputed rows see future tokens; this engine does not). One engine serves every selective method:
 OptimisticCache computes its unmatched rows with it; the selective-recompute caches choose other rows.
+
+With ``layers=`` only a contiguous range of decoder layers runs (rows enter it as ``hidden_states``, the
+residual stream after the layer before the range), which is what layer-wise methods such as CacheBlend need:
+all rows through the first layers, then a selected subset through the rest. That path drives the decoder
+layers directly and supports the Llama family layout (``model.model.{embed_tokens, layers, norm,
+rotary_emb}``: Llama, Qwen2/3, Mistral).
 """
 
 from __future__ import annotations
@@ -46,10 +52,32 @@ def position_causal_mask(row_pos: torch.Tensor, col_pos: torch.Tensor, dtype: to
     return mask[None, None]
 
 
+def _decoder(model):
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise NotImplementedError(f"layer-range recompute needs the Llama-family layout (model.model.embed_tokens, "
+                                  f".layers, .norm, .rotary_emb); {type(model).__name__} does not have it")
+    return base
+
+
+@torch.no_grad()
+def run_layers(model, layers: range, hidden_states: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+               cache) -> torch.Tensor:
+    """Run decoder layers ``layers`` on ``hidden_states`` ``[1, R, hidden]`` at ``position_ids`` ``[1, R]``."""
+    base = _decoder(model)
+    pos_emb = base.rotary_emb(hidden_states, position_ids=position_ids)
+    for i in layers:
+        out = base.layers[i](hidden_states, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                             position_embeddings=pos_emb, **cache_kwargs(cache))
+        hidden_states = out[0] if isinstance(out, tuple) else out
+    return hidden_states
+
+
 @torch.no_grad()
 def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
                     positions: torch.Tensor | None = None, col_valid: torch.Tensor | None = None,
-                    logits_to_keep: int = 1):
+                    logits_to_keep: int = 1, layers: range | None = None,
+                    hidden_states: torch.Tensor | None = None):
     """Recompute rows ``rows`` of ``input_ids`` in place of their entries in ``kv``.
 
     Parameters
@@ -69,10 +97,16 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
         Columns that may be attended to at all (default: all).
     logits_to_keep : int, default=1
         Passed to the model; 0 keeps the logits of every recomputed row.
+    layers : range, optional
+        Run only these decoder layers (default: the whole model through the HF forward).
+    hidden_states : Tensor ``[1, R, hidden]``, optional
+        With ``layers``: the rows' input to ``layers[0]`` (default: their token embeddings, for ranges that
+        start at layer 0).
 
     Returns
     -------
-    The model output (``logits`` of the kept recomputed rows).
+    The model output (``logits`` of the kept recomputed rows); with ``layers``, the rows' hidden states after
+    the last layer of the range (the final norm applied only if the range ends at the last layer).
     """
     if input_ids.shape[0] != 1:
         raise ValueError("partial_forward runs one sequence at a time (batch size 1)")
@@ -84,5 +118,13 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
     row_pos = positions[rows]
     mask = position_causal_mask(row_pos, positions, kv[0][0].dtype, col_valid)
     cache = _ScatterCache(model.config, kv, rows)
+    if layers is not None:
+        base = _decoder(model)
+        if hidden_states is None:
+            if layers.start != 0:
+                raise ValueError("a layer range that does not start at layer 0 needs the rows' hidden_states")
+            hidden_states = base.embed_tokens(input_ids[:, rows.to(input_ids.device)])
+        h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
+        return base.norm(h) if layers.stop >= len(base.layers) else h
     return model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None], attention_mask=mask,
                  use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
