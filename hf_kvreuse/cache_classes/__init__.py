@@ -1,6 +1,12 @@
 """Cache classes: one file per method."""
 
 from .base import KVReuseCache
+from .blend import BlendCache
+from .block_reuse import BlockReuseCache, BlockReuseStats, find_blocks
+from .direct import DirectReuseCache
+from .epic import EPICCache
 from .optimistic import OptimisticCache, OptimisticStats
+from .tail import TailRecomputeCache
 
-__all__ = ["KVReuseCache", "OptimisticCache", "OptimisticStats"]
+__all__ = ["KVReuseCache", "OptimisticCache", "OptimisticStats", "BlockReuseCache", "BlockReuseStats", "find_blocks",
+           "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache"]

@@ -32,9 +32,50 @@ class KVReuseCache(DynamicCache):
 
     def __init__(self, model, **kwargs):
         super().__init__(config=model.config, **kwargs)
+        if any(self.is_sliding):
+            raise ValueError(f"models with sliding-window attention layers are not supported by "
+                             f"{type(self).__name__} yet")
         self.model = model
         self.logical_offset = 0
-        self.stats: dict[str, Any] = {}
+        self.stats: Any = {}
+        self.input_ids: torch.Tensor | None = None
+        self._used = False
+
+    def set_target(self, input_ids: torch.Tensor) -> None:
+        """Record the prompt this cache is built for (``generate`` must be called with exactly these ids)."""
+        input_ids = as_batch1(input_ids, "input_ids")
+        if input_ids.shape[1] < 2:
+            raise ValueError(f"{type(self).__name__} needs a prompt of at least 2 tokens")
+        self.input_ids = input_ids.to(next(self.model.parameters()).device)
+
+    def begin_generate(self, model, input_ids, generate_kwargs: dict) -> None:
+        """Refuse ``generate`` calls whose result would silently be wrong; mark the cache used."""
+        name = type(self).__name__
+        if self._used:
+            raise RuntimeError(f"a {name} serves one generate call; build a new one for the next prompt")
+        from ..generation.mixin import _generation_target
+
+        if _generation_target(model) is not _generation_target(self.model):
+            raise ValueError("this cache was built for another model object; build it with the model you "
+                             "generate with")
+        if input_ids is None:
+            raise ValueError("call generate with the prompt ids the cache was built for (input_ids=...)")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"{name} supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
+        if self.input_ids is not None and not torch.equal(input_ids.to(self.input_ids.device), self.input_ids):
+            raise ValueError(f"generate was called with different input_ids than the {name} was built for "
+                             "(pass the full prompt, not only a suffix)")
+        mask = generate_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.bool().all()):
+            raise ValueError(f"padded attention_mask: {name} does not support padded batches")
+        gen_cfg = generate_kwargs.get("generation_config") or model.generation_config
+        for key in ("num_beams", "num_return_sequences"):
+            val = generate_kwargs.get(key, getattr(gen_cfg, key, 1)) or 1
+            if val > 1:
+                raise ValueError(f"{key}={val} is not supported with {name} (batch size 1 only)")
+        if generate_kwargs.get("assistant_model") is not None:
+            raise ValueError(f"assisted/speculative decoding is not supported with {name}")
+        self._used = True
 
     # -- lengths -------------------------------------------------------------------------------------------
     def physical_length(self, layer_idx: int = 0) -> int:
@@ -63,3 +104,15 @@ class KVReuseCache(DynamicCache):
 
     def finish(self, input_ids: torch.Tensor | None, error: BaseException | None) -> None:
         """Called once when ``generate`` returns or raises (``input_ids``: final sequences, if known)."""
+
+
+def as_batch1(ids, name: str) -> torch.Tensor:
+    """``ids`` as a ``[1, T]`` LongTensor, or a clear error for batched / padded input."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"{name} must be one sequence ([1, T]); batched or padded inputs are not supported "
+                         f"yet (got shape {tuple(ids.shape)})")
+    return ids

@@ -33,7 +33,7 @@ from ..generation.partial import partial_forward
 from ..kv import empty_kv, kv_length, kv_of, load_kv
 from ..rope import RopeShifter
 from ..timing import now
-from .base import KVReuseCache
+from .base import KVReuseCache, as_batch1
 
 
 @dataclass
@@ -114,11 +114,8 @@ class OptimisticCache(KVReuseCache):
         super().__init__(model)
         enable(model)
         self._shifter = RopeShifter(model)  # raises UnsupportedRopeError for dynamic / longrope
-        input_ids = _as_batch1(input_ids, "input_ids")
-        if input_ids.shape[1] < 2:
-            raise ValueError("OptimisticCache needs a target prompt of at least 2 tokens")
-        self.input_ids = input_ids.to(_model_device(model))  # the background job feeds these to the model
-        self.donor_cache, self.donor_ids = donor_cache, _as_batch1(donor_ids, "donor_ids")
+        self.set_target(input_ids)
+        self.donor_cache, self.donor_ids = donor_cache, as_batch1(donor_ids, "donor_ids")
         if max_optimistic_tokens is not None and max_optimistic_tokens < 0:
             raise ValueError("max_optimistic_tokens must be >= 0 or None")
         if background_start not in ("auto", "immediate", "after_first_token"):
@@ -135,17 +132,11 @@ class OptimisticCache(KVReuseCache):
         self.stats = OptimisticStats()
         self.alignment: Alignment | None = None
         self.job: BackgroundPrefill | None = None
-        self._used = False
-        if any(self.is_sliding):
-            raise ValueError("models with sliding-window attention layers are not supported by OptimisticCache yet")
         self._donor_len = self._check_donor()
 
     # -- generate entry --------------------------------------------------------------------------------------
     def prepare(self, model, input_ids, generate_kwargs) -> None:
-        if self._used:
-            raise RuntimeError("an OptimisticCache serves one generate call; build a new one for the next prompt")
-        _check_call(self, model, input_ids, generate_kwargs)
-        self._used = True
+        self.begin_generate(model, input_ids, generate_kwargs)
         self._t0 = now(self.input_ids.device)
         self._forwards = 0
         self._swapped = False
@@ -311,43 +302,3 @@ class OptimisticCache(KVReuseCache):
                     job.cancel()
                 self.stats.background_prefill_s = job.elapsed_s
             self._restore_threads()
-
-
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _as_batch1(ids: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor):
-        ids = torch.as_tensor(ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"{name} must be one sequence ([1, T]); batched or padded inputs are not supported "
-                         f"by OptimisticCache yet (got shape {tuple(ids.shape)})")
-    return ids
-
-
-def _check_call(cache: OptimisticCache, model, input_ids, kwargs: dict) -> None:
-    """Refuse ``generate`` calls whose result would silently be wrong."""
-    from ..generation.mixin import _generation_target
-
-    if _generation_target(model) is not _generation_target(cache.model):
-        raise ValueError("this cache was built for another model object; build it with the model you generate with")
-    if input_ids is None:
-        raise ValueError("call generate with the prompt ids the cache was built for (input_ids=...)")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"OptimisticCache supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
-    if not torch.equal(input_ids.to(cache.input_ids.device), cache.input_ids):
-        raise ValueError("generate was called with different input_ids than the OptimisticCache was built for "
-                         "(pass the full prompt, not only a suffix)")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.bool().all()):
-        raise ValueError("padded attention_mask: OptimisticCache does not support padded batches")
-    gen_cfg = kwargs.get("generation_config") or model.generation_config
-    for key in ("num_beams", "num_return_sequences"):
-        val = kwargs.get(key, getattr(gen_cfg, key, 1)) or 1
-        if val > 1:
-            raise ValueError(f"{key}={val} is not supported with OptimisticCache (batch size 1 only)")
-    if kwargs.get("assistant_model") is not None:
-        raise ValueError("assisted/speculative decoding is not supported with OptimisticCache")

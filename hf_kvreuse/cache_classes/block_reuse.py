@@ -1,0 +1,169 @@
+"""BlockReuseCache: the common assembly of every cache that reuses precomputed KV blocks (documents, answers).
+
+The prompt is a sequence of token rows; some spans of it are *blocks* whose K/V come from a
+:class:`~hf_kvreuse.chunk_store.ChunkStore` (computed once, standalone at position 0 by default, or under a
+given prefix), re-positioned with RoPE to where the block sits in this prompt (METHODS.md §1.2–1.3). Every
+row outside the blocks (system text, separators, the question) is computed. A subclass only chooses which
+*reused* rows to recompute as well (:meth:`extra_rows`), or replaces the recompute step altogether
+(:meth:`recompute`, e.g. CacheBlend's layer-wise selection). All recomputation goes through
+:func:`hf_kvreuse.generation.partial.partial_forward`, with a mask causal by original positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+from ..chunk_store import ChunkStore, KVChunk
+from ..generation.partial import partial_forward
+from ..kv import KV, empty_kv, load_kv
+from ..rope import RopeShifter
+from ..timing import now
+from .base import KVReuseCache
+
+
+@dataclass
+class BlockReuseStats:
+    reused_tokens: int = 0        # prompt tokens whose K/V came from blocks and were kept
+    recomputed_tokens: int = 0    # prompt tokens computed (rows outside blocks + rows selected for repair)
+    blocks: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
+    assemble_s: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def find_blocks(input_ids: torch.Tensor, block_ids: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Token spans of each block's ids inside ``input_ids`` (first occurrence not overlapping earlier ones).
+
+    Blocks may appear in any order. Prefer spans cut from the full prompt's tokens
+    (:func:`hf_kvreuse.alignment.segment_prompt`): a block tokenized on its own can merge differently.
+    """
+    seq = input_ids.reshape(-1).tolist()
+    taken: list[tuple[int, int]] = []
+    for b in block_ids:
+        b = torch.as_tensor(b).reshape(-1).tolist()
+        n = len(b)
+        for s in range(len(seq) - n + 1):
+            if seq[s:s + n] == b and all(e <= s or s + n <= t for t, e in taken):
+                taken.append((s, s + n))
+                break
+        else:
+            raise ValueError(f"block of {n} tokens not found in the prompt (was it tokenized separately? cut "
+                             "blocks from the full prompt's tokens, see hf_kvreuse.segment_prompt)")
+    return taken
+
+
+class BlockReuseCache(KVReuseCache):
+    """Assemble a prompt's cache from reused blocks plus computed rows.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+    input_ids : LongTensor ``[1, N]``
+        The full prompt; ``generate`` must be called with it.
+    blocks : sequence of (start, end) spans or of LongTensor token ids
+        The reusable spans of ``input_ids``; ids are located with :func:`find_blocks`.
+    store : ChunkStore, optional
+        Where block K/V are looked up and kept (default: a private store).
+    block_prefix_ids : LongTensor or "own", optional
+        Prefix under which missing blocks are computed: none (default: standalone at position 0, as documents
+        are precomputed), given ids, or ``"own"``: each block under its actual prefix in this prompt, which makes
+        the reused K/V exact (the self-control gate of METHODS.md §1.4).
+    """
+
+    def __init__(self, model, input_ids: torch.Tensor, blocks, store: ChunkStore | None = None,
+                 block_prefix_ids: torch.Tensor | None = None):
+        from ..generation.mixin import enable
+
+        super().__init__(model)
+        enable(model)
+        self._shifter = RopeShifter(model)
+        self.set_target(input_ids)
+        blocks = list(blocks)
+        if blocks and not isinstance(blocks[0], tuple):
+            blocks = find_blocks(self.input_ids, blocks)
+        covered = self.input_ids.shape[1] - 1
+        spans = []
+        for s, e in sorted(blocks):
+            if not 0 <= s < e <= self.input_ids.shape[1]:
+                raise ValueError(f"block span {(s, e)} is outside the prompt of {self.input_ids.shape[1]} tokens")
+            if spans and s < spans[-1][1]:
+                raise ValueError(f"blocks overlap: {spans[-1]} and {(s, e)}")
+            spans.append((s, min(e, covered)))  # the last prompt token is always fed by generate
+        self.blocks = [(s, e) for s, e in spans if e > s]
+        self.store = store if store is not None else ChunkStore()
+        self.block_prefix_ids = block_prefix_ids
+        self.stats = BlockReuseStats(blocks=len(self.blocks))
+
+    # -- the two steps a method may change ---------------------------------------------------------------
+    def extra_rows(self) -> torch.Tensor:
+        """Reused rows to recompute as well (default: none, i.e. direct reuse)."""
+        return torch.zeros(0, dtype=torch.long)
+
+    def recompute(self, kv: KV, fresh: torch.Tensor) -> torch.Tensor:
+        """Compute rows ``fresh`` (and the method's repaired rows) into ``kv``; return all recomputed rows."""
+        rows = torch.unique(torch.cat([fresh, self.extra_rows().to(fresh.device)]))
+        if rows.numel():
+            partial_forward(self.model, self.input_ids[:, : kv[0][0].shape[-2]], rows, kv)
+        return rows
+
+    # -- assembly --------------------------------------------------------------------------------------------
+    def block_chunk(self, s: int, e: int) -> KVChunk:
+        before = (self.store.hits, self.store.misses)
+        prefix = self.input_ids[0, :s] if isinstance(self.block_prefix_ids, str) else self.block_prefix_ids
+        if isinstance(self.block_prefix_ids, str) and self.block_prefix_ids != "own":
+            raise ValueError(f"block_prefix_ids={self.block_prefix_ids!r}: pass token ids, None or 'own'")
+        chunk = self.store.get_or_compute(self.model, self.input_ids[0, s:e], prefix)
+        self.stats.store_hits += self.store.hits - before[0]
+        self.stats.store_misses += self.store.misses - before[1]
+        return chunk
+
+    def prepare(self, model, input_ids, generate_kwargs) -> None:
+        self.begin_generate(model, input_ids, generate_kwargs)
+        t0 = now(self.input_ids.device)
+        with torch.no_grad():
+            kv = self.assemble_blocks()
+            covered = kv[0][0].shape[-2]
+            in_block = torch.zeros(covered, dtype=torch.bool)
+            for s, e in self.blocks:
+                in_block[s:e] = True
+            rows = self.recompute(kv, torch.nonzero(~in_block).flatten().to(kv[0][0].device))
+        load_kv(self, kv)
+        self.stats.recomputed_tokens = int(rows.numel())
+        self.stats.reused_tokens = covered - self.stats.recomputed_tokens
+        self.stats.assemble_s = now(self.input_ids.device) - t0
+
+    def assemble_blocks(self) -> KV:
+        """Full-length K/V of the covered prompt with every block placed (other rows zero)."""
+        covered = self.input_ids.shape[1] - 1
+        kv = None
+        for s, e in self.blocks:
+            chunk = self.block_chunk(s, e)
+            if kv is None:
+                kv = empty_kv(chunk.kv, covered)
+            delta = torch.full((e - s,), s - chunk.start, dtype=torch.long)
+            cos_sin = self._shifter.cos_sin(delta, chunk.kv[0][0].device)
+            for (dk, dv), (k, v) in zip(kv, chunk.kv):
+                dk[..., s:e, :] = self._shifter.shift(k, delta, cos_sin) if s != chunk.start else k
+                dv[..., s:e, :] = v
+        if kv is None:  # no blocks: plain prefill of everything
+            cfg = self.model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            p = next(self.model.parameters())
+            z = torch.zeros(1, cfg.num_key_value_heads, covered, head_dim, dtype=p.dtype, device=p.device)
+            kv = [(z.clone(), z.clone()) for _ in range(cfg.num_hidden_layers)]
+        return kv
+
+
+def block_edge_rows(blocks: list[tuple[int, int]], k: int, where: str) -> torch.Tensor:
+    """The first (``where="head"``) or last (``"tail"``) ``k`` rows of every block."""
+    rows = []
+    for s, e in blocks:
+        n = min(k, e - s)
+        rows.append(torch.arange(s, s + n) if where == "head" else torch.arange(e - n, e))
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)

@@ -1,0 +1,121 @@
+"""ChunkStore: KV blocks computed once and assembled in any order, under a byte budget with LRU eviction.
+
+A chunk is the K/V of a run of tokens (a document, an earlier agent's answer) computed by one model (and
+adapter) under one prefix: standalone at position 0 ("position-independent", as CacheBlend and EPIC
+precompute documents), or after given prefix tokens (the exact KV of those tokens in that context). The key
+is (producer fingerprint, adapter, prefix token ids, chunk token ids); keys are stored post-RoPE at
+``start..start+len`` and re-positioned by whoever uses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .compat import cache_kwargs
+from .kv import KV, kv_of, slice_kv
+
+
+def _ids_digest(ids: Sequence[int] | torch.Tensor | None) -> str:
+    if ids is None:
+        return "-"
+    t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu().contiguous()
+    return hashlib.sha1(t.numpy().tobytes()).hexdigest()
+
+
+def model_fingerprint(model) -> str:
+    """Identifies the weights that produced a chunk (config + a sample of the embedding matrix)."""
+    emb = model.get_input_embeddings().weight
+    sample = emb[: min(4, emb.shape[0]), : min(16, emb.shape[1])].detach().float().cpu()
+    h = hashlib.sha1(model.config.to_json_string(use_diff=False).encode())
+    h.update(sample.numpy().tobytes())
+    h.update(str(emb.dtype).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class KVChunk:
+    """K/V of ``token_ids`` with keys rotated at positions ``start..start+len``."""
+
+    token_ids: torch.Tensor
+    kv: KV
+    start: int
+    prefix_digest: str = "-"
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+
+@dataclass
+class ChunkStore:
+    """An LRU store of :class:`KVChunk` under a byte budget.
+
+    Parameters
+    ----------
+    max_bytes : int, default=2 GiB
+        Least recently used chunks are evicted beyond this.
+    """
+
+    max_bytes: int = 2 << 30
+    _items: "OrderedDict[tuple, KVChunk]" = field(default_factory=OrderedDict, repr=False)
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._items.values())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def key(model, token_ids, prefix_ids=None, adapter: str | None = None) -> tuple:
+        return (model_fingerprint(model), adapter or "-", _ids_digest(prefix_ids), _ids_digest(token_ids))
+
+    def get(self, model, token_ids, prefix_ids=None, adapter: str | None = None) -> KVChunk | None:
+        k = self.key(model, token_ids, prefix_ids, adapter)
+        chunk = self._items.get(k)
+        if chunk is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(k)
+        return chunk
+
+    def put(self, model, chunk: KVChunk, prefix_ids=None, adapter: str | None = None) -> None:
+        if chunk.nbytes > self.max_bytes:
+            raise ValueError(f"a chunk of {chunk.nbytes} bytes does not fit the store's budget of {self.max_bytes}")
+        self._items[self.key(model, chunk.token_ids, prefix_ids, adapter)] = chunk
+        self._items.move_to_end(self.key(model, chunk.token_ids, prefix_ids, adapter))
+        while self.nbytes > self.max_bytes:
+            self._items.popitem(last=False)
+            self.evictions += 1
+
+    @torch.no_grad()
+    def get_or_compute(self, model, token_ids, prefix_ids=None, adapter: str | None = None) -> KVChunk:
+        """The chunk of ``token_ids`` computed under ``prefix_ids`` (None: standalone at position 0)."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+        chunk = self.get(model, token_ids, prefix_ids, adapter)
+        if chunk is not None:
+            return chunk
+        device = next(model.parameters()).device
+        prefix = torch.as_tensor(prefix_ids if prefix_ids is not None else [], dtype=torch.long).reshape(1, -1)
+        ids = torch.cat([prefix, token_ids], 1).to(device)
+        cache = DynamicCache(config=model.config)
+        model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+        p = prefix.shape[1]
+        kv = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p, None))]
+        chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids))
+        self.put(model, chunk, prefix_ids, adapter)
+        return chunk

@@ -1,0 +1,152 @@
+"""One matrix over every block-reuse cache: the correctness gates of METHODS.md §1.4 and §7.3."""
+
+import pytest
+import torch
+
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, TailRecomputeCache, kv_of,
+                        tiny_model)
+from hf_kvreuse.compat import output_cache
+
+from conftest import exact_prefill
+
+# (class, kwargs for "repair nothing", kwargs for "repair everything")
+METHODS = {
+    "direct": (DirectReuseCache, {}, None),
+    "tail": (TailRecomputeCache, {"recompute_tokens": 0}, {"recompute_tokens": 10_000}),
+    "epic": (EPICCache, {"recompute_tokens": 0}, {"recompute_tokens": 10_000}),
+    "blend": (BlendCache, {"recompute_ratio": 0.0}, {"recompute_ratio": 1.0}),
+    "blend-keys": (BlendCache, {"recompute_ratio": 0.0, "deviation": "keys"},
+                   {"recompute_ratio": 1.0, "deviation": "keys"}),
+}
+GEN = dict(max_new_tokens=12, do_sample=False)
+
+
+def rag_prompt(seed=0, n_docs=3, doc_len=20):
+    """system ⊕ doc_1 ⊕ sep ⊕ doc_2 ⊕ sep ⊕ ... ⊕ question; returns ids, doc id tensors, doc spans."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda n: torch.randint(3, 128, (n,), generator=g)  # noqa: E731
+    parts, docs, spans, pos = [r(6)], [], [], 6
+    for _ in range(n_docs):
+        d = r(doc_len)
+        docs.append(d)
+        spans.append((pos, pos + doc_len))
+        parts += [d, r(2)]
+        pos += doc_len + 2
+    parts.append(r(7))
+    return torch.cat(parts)[None], docs, spans
+
+
+def _assert_kv_close(a, b, atol=1e-4):
+    for (k, v), (rk, rv) in zip(kv_of(a), kv_of(b)):
+        torch.testing.assert_close(k, rk, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(v, rv, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_self_control_equals_full_prefill(arch_model, method):
+    """Blocks computed under their own prefix: any method reproduces full prefill."""
+    cls, none_kw, _ = METHODS[method]
+    ids, _, spans = rag_prompt()
+    cache = cls(arch_model, ids, spans, block_prefix_ids="own", **none_kw)
+    out = arch_model.generate(ids, cache=cache, return_dict_in_generate=True, output_logits=True, **GEN)
+    ref = arch_model.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(out.logits[0], ref.logits[0], atol=1e-3, rtol=1e-3)
+    assert cache.stats.reused_tokens + cache.stats.recomputed_tokens == ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m][2] is not None])
+def test_full_recompute_equals_full_prefill(arch_model, method):
+    cls, _, all_kw = METHODS[method]
+    ids, _, spans = rag_prompt(1)
+    cache = cls(arch_model, ids, spans, **all_kw)
+    out = arch_model.generate(ids, cache=cache, return_dict_in_generate=True, output_logits=True, **GEN)
+    ref = arch_model.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(out.logits[0], ref.logits[0], atol=1e-3, rtol=1e-3)
+    assert cache.stats.reused_tokens == 0
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_zero_recompute_equals_direct_reuse(arch_model, method):
+    cls, none_kw, _ = METHODS[method]
+    ids, _, spans = rag_prompt(2)
+    store = ChunkStore()
+    direct = DirectReuseCache(arch_model, ids, spans, store=store)
+    cache = cls(arch_model, ids, spans, store=store, **none_kw)
+    out_d = arch_model.generate(ids, cache=direct, **GEN)
+    out = arch_model.generate(ids, cache=cache, **GEN)
+    assert torch.equal(out, out_d)
+    assert cache.stats.reused_tokens == direct.stats.reused_tokens == sum(e - s for s, e in spans)
+
+
+def test_direct_reuse_is_not_exact_but_blend_repairs(llama):
+    """Standalone blocks change the output; the reused rows' K/V above layer 0 differ from full prefill."""
+    ids, _, spans = rag_prompt(3)
+    ref_cache, _ = exact_prefill(llama, ids[:, :-1])
+    direct = DirectReuseCache(llama, ids, spans)
+    llama.generate(ids, cache=direct, max_new_tokens=1, do_sample=False)
+    k_direct = kv_of(direct)[1][0][..., : ids.shape[1] - 1, :]
+    k_ref = kv_of(ref_cache)[1][0]
+    assert (k_direct - k_ref).abs().max() > 1e-2
+    # layer 0 K/V are context-free: re-positioned standalone blocks equal full prefill there
+    torch.testing.assert_close(kv_of(direct)[0][0][..., : ids.shape[1] - 1, :], kv_of(ref_cache)[0][0],
+                               atol=1e-5, rtol=1e-5)
+    blend = BlendCache(llama, ids, spans, recompute_ratio=0.5)
+    llama.generate(ids, cache=blend, max_new_tokens=1, do_sample=False)
+    n_reused = sum(e - s for s, e in spans)
+    assert blend.selected_rows.numel() == int(n_reused * 0.5)
+    err_blend = (kv_of(blend)[1][0][..., : ids.shape[1] - 1, :] - k_ref).norm()
+    assert err_blend < (k_direct - k_ref).norm()
+
+
+def test_shuffled_block_order_and_store_reuse(llama):
+    ids, docs, spans = rag_prompt(4)
+    store = ChunkStore()
+    by_ids = DirectReuseCache(llama, ids, [docs[2], docs[0], docs[1]], store=store)  # any order, located by ids
+    assert by_ids.blocks == spans
+    out1 = llama.generate(ids, cache=by_ids, **GEN)
+    assert store.misses == 3 and len(store) == 3
+    # the same documents in another order under another system prompt: every block comes from the store
+    sep = torch.tensor([5, 6])
+    ids2 = torch.cat([torch.tensor([9, 9, 9]), docs[1], sep, docs[2], sep, docs[0], torch.tensor([7, 7, 7, 7])])[None]
+    cache2 = EPICCache(llama, ids2, docs, store=store, recompute_tokens=4)
+    llama.generate(ids2, cache=cache2, **GEN)
+    assert cache2.stats.store_hits == 3 and cache2.stats.store_misses == 0
+    assert cache2.stats.recomputed_tokens == (ids2.shape[1] - 1) - 3 * (20 - 4)
+    by_span = DirectReuseCache(llama, ids, spans, store=store)
+    assert torch.equal(llama.generate(ids, cache=by_span, **GEN), out1)
+
+
+def test_block_errors(llama):
+    ids, docs, spans = rag_prompt(5)
+    with pytest.raises(ValueError, match="not found"):
+        DirectReuseCache(llama, ids, [torch.tensor([1, 2, 3, 4, 5, 6, 7])])
+    with pytest.raises(ValueError, match="overlap"):
+        DirectReuseCache(llama, ids, [(6, 20), (10, 30)])
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        BlendCache(llama, ids, spans, recompute_ratio=1.5)
+    cache = DirectReuseCache(llama, ids, spans)
+    with pytest.raises(ValueError, match="different input_ids"):
+        llama.generate(ids[:, 1:], cache=cache, **GEN)
+
+
+def test_chunk_store_lru_budget_and_keys(llama):
+    ids = torch.randint(3, 128, (1, 30))
+    store = ChunkStore()
+    c = store.get_or_compute(llama, ids[0, :10])
+    store.max_bytes = int(c.nbytes * 2.5)
+    store.get_or_compute(llama, ids[0, 10:20])
+    store.get(llama, ids[0, :10])                    # touch: most recently used
+    store.get_or_compute(llama, ids[0, 20:30])       # evicts the least recently used (10:20)
+    assert store.evictions == 1 and len(store) == 2
+    assert store.get(llama, ids[0, 10:20]) is None and store.get(llama, ids[0, :10]) is not None
+    # the prefix and the producing model are part of the key
+    assert store.get(llama, ids[0, :10], prefix_ids=ids[0, :3]) is None
+    other = tiny_model("llama", seed=1)
+    assert store.get(other, ids[0, :10]) is None
+    with_prefix = store.get_or_compute(llama, ids[0, 3:10], prefix_ids=ids[0, :3])
+    assert with_prefix.start == 3
+    full, _ = exact_prefill(llama, ids[:, :10])
+    torch.testing.assert_close(with_prefix.kv[1][0], kv_of(full)[1][0][..., 3:10, :], atol=1e-5, rtol=1e-5)
+    assert isinstance(with_prefix, KVChunk)
