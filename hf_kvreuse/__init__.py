@@ -1,8 +1,8 @@
 """hf_kvreuse: KV-cache reuse beyond exact prefix caching, as drop-in transformers caches."""
 
 from .alignment import Alignment, Span, align_token_ids, block_token_span, segment_prompt
-from .cache_classes import (BlendCache, BlockReuseCache, DirectReuseCache, EPICCache, KVReuseCache, OptimisticCache,
-                            OptimisticStats, TailRecomputeCache, find_blocks)
+from .cache_classes import (BlendCache, BlockReuseCache, DirectReuseCache, EPICCache, KVReuseCache, OffsetCache,
+                            OptimisticCache, OptimisticStats, TailRecomputeCache, find_blocks)
 from .chunk_store import ChunkStore, KVChunk
 from .compat import output_cache
 from .generation import BackgroundPrefill, disable, enable, is_enabled, partial_forward
@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Alignment", "Span", "align_token_ids", "block_token_span", "segment_prompt",
     "KVReuseCache", "OptimisticCache", "OptimisticStats", "output_cache",
-    "BlockReuseCache", "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "find_blocks",
+    "BlockReuseCache", "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache",
+    "find_blocks",
     "ChunkStore", "KVChunk",
     "BackgroundPrefill", "enable", "disable", "is_enabled", "partial_forward",
     "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",

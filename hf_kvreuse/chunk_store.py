@@ -40,12 +40,17 @@ def model_fingerprint(model) -> str:
 
 @dataclass
 class KVChunk:
-    """K/V of ``token_ids`` with keys rotated at positions ``start..start+len``."""
+    """K/V of ``token_ids`` with keys rotated at positions ``start..start+len``.
+
+    ``anchor`` is the K/V of the prefix token right before the chunk (position ``start - 1``), kept for
+    offset-based methods; None for standalone chunks.
+    """
 
     token_ids: torch.Tensor
     kv: KV
     start: int
     prefix_digest: str = "-"
+    anchor: KV | None = None
 
     @property
     def length(self) -> int:
@@ -53,7 +58,8 @@ class KVChunk:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in self.kv + (self.anchor or []))
 
 
 @dataclass
@@ -116,6 +122,7 @@ class ChunkStore:
         model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
         p = prefix.shape[1]
         kv = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p, None))]
-        chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids))
+        anchor = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p - 1, p))] if p else None
+        chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids), anchor=anchor)
         self.put(model, chunk, prefix_ids, adapter)
         return chunk

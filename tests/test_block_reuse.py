@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, TailRecomputeCache, kv_of,
-                        tiny_model)
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, OffsetCache, TailRecomputeCache,
+                        kv_of, tiny_model)
 from hf_kvreuse.compat import output_cache
 
 from conftest import exact_prefill
@@ -42,10 +42,10 @@ def _assert_kv_close(a, b, atol=1e-4):
         torch.testing.assert_close(v, rv, atol=atol, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", list(METHODS) + ["offset"])
 def test_self_control_equals_full_prefill(arch_model, method):
     """Blocks computed under their own prefix: any method reproduces full prefill."""
-    cls, none_kw, _ = METHODS[method]
+    cls, none_kw, _ = METHODS.get(method, (OffsetCache, {}, None))
     ids, _, spans = rag_prompt()
     cache = cls(arch_model, ids, spans, block_prefix_ids="own", **none_kw)
     out = arch_model.generate(ids, cache=cache, return_dict_in_generate=True, output_logits=True, **GEN)
@@ -150,3 +150,24 @@ def test_chunk_store_lru_budget_and_keys(llama):
     full, _ = exact_prefill(llama, ids[:, :10])
     torch.testing.assert_close(with_prefix.kv[1][0], kv_of(full)[1][0][..., 3:10, :], atol=1e-5, rtol=1e-5)
     assert isinstance(with_prefix, KVChunk)
+
+
+def test_offset_cache(llama):
+    ids, docs, spans = rag_prompt(6)
+    with pytest.raises(ValueError, match="prefix"):
+        OffsetCache(llama, ids, spans)
+    other_prefix = torch.tensor([11, 12, 13, 14, 15])
+    store = ChunkStore()
+    direct = DirectReuseCache(llama, ids, spans, store=store, block_prefix_ids=other_prefix)
+    offset = OffsetCache(llama, ids, spans, store=store, block_prefix_ids=other_prefix)
+    llama.generate(ids, cache=direct, max_new_tokens=1, do_sample=False)
+    llama.generate(ids, cache=offset, max_new_tokens=1, do_sample=False)
+    assert offset.stats.store_hits == 3 and offset.stats.reused_tokens == direct.stats.reused_tokens
+    n = ids.shape[1] - 1
+    kd, ko = kv_of(direct), kv_of(offset)
+    # layer 0 untouched; above it, every block row moved by the same (per-block) value offset
+    torch.testing.assert_close(ko[0][0][..., :n, :], kd[0][0][..., :n, :], atol=1e-5, rtol=1e-5)
+    for s, e in spans:
+        dv = ko[1][1][..., s:e, :] - kd[1][1][..., s:e, :]
+        assert dv.abs().max() > 1e-3
+        torch.testing.assert_close(dv, dv[..., :1, :].expand_as(dv), atol=1e-5, rtol=1e-5)

@@ -5,8 +5,9 @@ from .blend import BlendCache
 from .block_reuse import BlockReuseCache, BlockReuseStats, find_blocks
 from .direct import DirectReuseCache
 from .epic import EPICCache
+from .offset import OffsetCache
 from .optimistic import OptimisticCache, OptimisticStats
 from .tail import TailRecomputeCache
 
 __all__ = ["KVReuseCache", "OptimisticCache", "OptimisticStats", "BlockReuseCache", "BlockReuseStats", "find_blocks",
-           "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache"]
+           "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache"]

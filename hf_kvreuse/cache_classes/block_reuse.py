@@ -142,8 +142,9 @@ class BlockReuseCache(KVReuseCache):
         """Full-length K/V of the covered prompt with every block placed (other rows zero)."""
         covered = self.input_ids.shape[1] - 1
         kv = None
+        self.chunks: dict[tuple[int, int], KVChunk] = {}
         for s, e in self.blocks:
-            chunk = self.block_chunk(s, e)
+            chunk = self.chunks[(s, e)] = self.block_chunk(s, e)
             if kv is None:
                 kv = empty_kv(chunk.kv, covered)
             delta = torch.full((e - s,), s - chunk.start, dtype=torch.long)
