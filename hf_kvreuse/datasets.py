@@ -54,9 +54,9 @@ def contains_answer(text: str, answers: tuple[str, ...]) -> bool:
     return any(f" {normalize_answer(a)} " in t for a in answers if normalize_answer(a))
 
 
-def context_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens: int) -> str:
-    """A document of about ``n_tokens`` tokens: ``target``'s passage among other passages of the same article
-    (then of other articles), in file order, never splitting a passage."""
+def passages_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens: int) -> list[str]:
+    """About ``n_tokens`` tokens of passages: ``target``'s passage among other passages of the same article (then
+    of other articles), in file order, never splitting a passage; the answering passage sits in the middle."""
     passages = [target.passage]
     pool = [it.passage for it in items if it.title == target.title] + [it.passage for it in items]
     seen = {target.passage}
@@ -72,6 +72,10 @@ def context_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens: 
             continue
         passages.append(p)
         length += n
-    # the passage that answers the question sits in the middle, not at an edge
     passages.insert(len(passages) // 2, passages.pop(0))
-    return "\n\n".join(passages)
+    return passages
+
+
+def context_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens: int) -> str:
+    """The passages of :func:`passages_for` as one document."""
+    return "\n\n".join(passages_for(items, target, tokenizer, n_tokens))
