@@ -3,8 +3,8 @@
 Each question gets a document of about `--contexts` tokens made of SQuAD passages (the answering one in the
 middle), grouped into at most 8 chunks. The prompt is: system text, the chunks separated by blank lines,
 then the question. Chunks are precomputed once into a ChunkStore, standalone at position 0 (for OffsetCache:
-after the system text, whose last token is the anchor), then every method assembles the same prompt, side by
-side with full prefill:
+after the system text and the token that precedes the chunk in the prompt, the shared anchor), then every
+method assembles the same prompt, side by side with full prefill:
 
     full prefill | DirectReuseCache | TailRecomputeCache(16) | EPICCache(16) | BlendCache(0.15) | OffsetCache
 
@@ -44,8 +44,13 @@ METHODS = {
     "epic-16": lambda m, ids, blocks, store, sys_ids: EPICCache(m, ids, blocks, store=store),
     "blend-0.15": lambda m, ids, blocks, store, sys_ids: BlendCache(m, ids, blocks, store=store),
     "offset": lambda m, ids, blocks, store, sys_ids: OffsetCache(m, ids, blocks, store=store,
-                                                                 block_prefix_ids=sys_ids),
+                                                                 block_prefix_ids=anchor_prefixes(ids, blocks, sys_ids)),
 }
+
+
+def anchor_prefixes(ids, blocks, sys_ids):
+    """Per block: the system text, then the token that precedes the block in the prompt (the shared anchor)."""
+    return [torch.cat([sys_ids, ids[0, s - 1: s]]) for s, _ in blocks]
 
 
 def build_prompt(tok, passages, question, n_chunks=8):
@@ -88,9 +93,10 @@ def main():
             item = items[(q * 61 + ctx) % len(items)]
             ids, spans, sys_ids = build_prompt(tok, passages_for(items, item, tok, ctx), item.question)
             store = ChunkStore()
-            for s, e in spans:  # precompute the documents once (not timed): standalone and after the system text
+            # precompute the documents once (not timed): standalone, and after the system text + anchor token
+            for (s, e), prefix in zip(spans, anchor_prefixes(ids, spans, sys_ids)):
                 store.get_or_compute(model, ids[0, s:e])
-                store.get_or_compute(model, ids[0, s:e], prefix_ids=sys_ids)
+                store.get_or_compute(model, ids[0, s:e], prefix_ids=prefix)
             n = ids.shape[1]
             timer = TokenTimer().start()
             full = model.generate(ids, streamer=timer, **gen)

@@ -51,6 +51,7 @@ class KVChunk:
     start: int
     prefix_digest: str = "-"
     anchor: KV | None = None
+    anchor_token: int | None = None
 
     @property
     def length(self) -> int:
@@ -123,6 +124,7 @@ class ChunkStore:
         p = prefix.shape[1]
         kv = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p, None))]
         anchor = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p - 1, p))] if p else None
-        chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids), anchor=anchor)
+        chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids), anchor=anchor,
+                        anchor_token=int(prefix[0, -1]) if p else None)
         self.put(model, chunk, prefix_ids, adapter)
         return chunk

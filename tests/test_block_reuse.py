@@ -156,10 +156,12 @@ def test_offset_cache(llama):
     ids, docs, spans = rag_prompt(6)
     with pytest.raises(ValueError, match="prefix"):
         OffsetCache(llama, ids, spans)
-    other_prefix = torch.tensor([11, 12, 13, 14, 15])
+    with pytest.raises(ValueError, match="anchor token"):  # the prefix must end with the token before each block
+        llama.generate(ids, cache=OffsetCache(llama, ids, spans, block_prefix_ids=torch.tensor([11, 12])), **GEN)
+    prefixes = [torch.cat([torch.tensor([11, 12, 13, 14]), ids[0, s - 1: s]]) for s, _ in spans]
     store = ChunkStore()
-    direct = DirectReuseCache(llama, ids, spans, store=store, block_prefix_ids=other_prefix)
-    offset = OffsetCache(llama, ids, spans, store=store, block_prefix_ids=other_prefix)
+    direct = DirectReuseCache(llama, ids, spans, store=store, block_prefix_ids=prefixes)
+    offset = OffsetCache(llama, ids, spans, store=store, block_prefix_ids=prefixes)
     llama.generate(ids, cache=direct, max_new_tokens=1, do_sample=False)
     llama.generate(ids, cache=offset, max_new_tokens=1, do_sample=False)
     assert offset.stats.store_hits == 3 and offset.stats.reused_tokens == direct.stats.reused_tokens

@@ -70,10 +70,11 @@ class BlockReuseCache(KVReuseCache):
         The reusable spans of ``input_ids``; ids are located with :func:`find_blocks`.
     store : ChunkStore, optional
         Where block K/V are looked up and kept (default: a private store).
-    block_prefix_ids : LongTensor or "own", optional
+    block_prefix_ids : LongTensor, list of LongTensor, or "own", optional
         Prefix under which missing blocks are computed: none (default: standalone at position 0, as documents
-        are precomputed), given ids, or ``"own"``: each block under its actual prefix in this prompt, which makes
-        the reused K/V exact (the self-control gate of METHODS.md §1.4).
+        are precomputed), the same ids for every block, one prefix per block (in prompt order), or ``"own"``:
+        each block under its actual prefix in this prompt, which makes the reused K/V exact (the
+        self-control gate of METHODS.md §1.4).
     """
 
     def __init__(self, model, input_ids: torch.Tensor, blocks, store: ChunkStore | None = None,
@@ -113,12 +114,22 @@ class BlockReuseCache(KVReuseCache):
         return rows
 
     # -- assembly --------------------------------------------------------------------------------------------
+    def prefix_for(self, s: int):
+        """The prefix under which the block starting at ``s`` is (or was) computed."""
+        p = self.block_prefix_ids
+        if isinstance(p, str):
+            if p != "own":
+                raise ValueError(f"block_prefix_ids={p!r}: pass token ids, one list of ids per block, None or 'own'")
+            return self.input_ids[0, :s]
+        if isinstance(p, (list, tuple)):
+            if len(p) != len(self.blocks):
+                raise ValueError(f"{len(p)} block prefixes for {len(self.blocks)} blocks")
+            return p[[b[0] for b in self.blocks].index(s)]
+        return p
+
     def block_chunk(self, s: int, e: int) -> KVChunk:
         before = (self.store.hits, self.store.misses)
-        prefix = self.input_ids[0, :s] if isinstance(self.block_prefix_ids, str) else self.block_prefix_ids
-        if isinstance(self.block_prefix_ids, str) and self.block_prefix_ids != "own":
-            raise ValueError(f"block_prefix_ids={self.block_prefix_ids!r}: pass token ids, None or 'own'")
-        chunk = self.store.get_or_compute(self.model, self.input_ids[0, s:e], prefix)
+        chunk = self.store.get_or_compute(self.model, self.input_ids[0, s:e], self.prefix_for(s))
         self.stats.store_hits += self.store.hits - before[0]
         self.stats.store_misses += self.store.misses - before[1]
         return chunk

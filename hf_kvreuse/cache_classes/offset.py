@@ -27,7 +27,8 @@ class OffsetCache(BlockReuseCache):
     """Reuse blocks computed under another prefix, shifted by the anchor token's K/V offset.
 
     Blocks must be computed under a prefix (``block_prefix_ids`` given, or ``"own"``), whose last token is
-    the source anchor; the token before the block in this prompt is the target anchor.
+    the source anchor; the token before the block in this prompt is the target anchor, and the two must be the
+    same token (checked).
     Other parameters are those of :class:`~hf_kvreuse.cache_classes.block_reuse.BlockReuseCache`.
     """
 
@@ -56,6 +57,11 @@ class OffsetCache(BlockReuseCache):
 
     def _apply_offset(self, kv: KV, s: int, e: int) -> None:
         chunk = self.chunks[(s, e)]
+        if chunk.anchor is None or chunk.anchor_token != int(self.input_ids[0, s - 1]):
+            raise ValueError(f"the block at {s}..{e} was computed after token {chunk.anchor_token}, but this prompt "
+                             f"has token {int(self.input_ids[0, s - 1])} before it: the single-anchor offset needs "
+                             "the same anchor token in both contexts (compute the block under a prefix ending "
+                             "with it)")
         sh = self._shifter
         dev = kv[0][0].device
         pos = torch.arange(s, e, device=dev)
