@@ -51,3 +51,14 @@ def exact_prefill(model, ids, start=0):
         out = model(ids, position_ids=torch.arange(start, start + ids.shape[1])[None], logits_to_keep=0,
                     **cache_kwargs(cache))
     return cache, out.logits
+
+
+def assert_kv_close(a, b, atol=1e-5, rtol=1e-5, length=None):
+    """Every layer's K and V of caches / KV lists `a` and `b` agree (on the first `length` tokens)."""
+    from hf_kvreuse import kv_of
+
+    for (k, v), (rk, rv) in zip(kv_of(a), kv_of(b)):
+        if length is not None:
+            k, v, rk, rv = (t[..., :length, :] for t in (k, v, rk, rv))
+        torch.testing.assert_close(k, rk, atol=atol, rtol=rtol)
+        torch.testing.assert_close(v, rv, atol=atol, rtol=rtol)

@@ -36,12 +36,6 @@ def rag_prompt(seed=0, n_docs=3, doc_len=20):
     return torch.cat(parts)[None], docs, spans
 
 
-def _assert_kv_close(a, b, atol=1e-4):
-    for (k, v), (rk, rv) in zip(kv_of(a), kv_of(b)):
-        torch.testing.assert_close(k, rk, atol=atol, rtol=1e-4)
-        torch.testing.assert_close(v, rv, atol=atol, rtol=1e-4)
-
-
 @pytest.mark.parametrize("method", list(METHODS) + ["offset"])
 def test_self_control_equals_full_prefill(arch_model, method):
     """Blocks computed under their own prefix: any method reproduces full prefill."""

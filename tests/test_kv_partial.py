@@ -5,7 +5,7 @@ from hf_kvreuse.generation.partial import position_causal_mask
 from hf_kvreuse.kv import empty_kv
 
 
-from conftest import exact_prefill as _prefill
+from conftest import assert_kv_close, exact_prefill as _prefill
 
 
 def test_slice_cat_scatter_round_trip(llama):
@@ -43,9 +43,7 @@ def test_partial_forward_all_rows_equals_full_prefill(arch_model):
     kv = empty_kv(kv_of(ref), 24)
     out = partial_forward(arch_model, ids, torch.arange(24), kv, logits_to_keep=0)
     torch.testing.assert_close(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
-    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    assert_kv_close(kv, ref)
 
 
 def test_partial_forward_rows_on_exact_cache_are_exact(arch_model):
@@ -57,9 +55,7 @@ def test_partial_forward_rows_on_exact_cache_are_exact(arch_model):
     garbage = [(torch.randn_like(k[..., rows, :]), torch.randn_like(v[..., rows, :])) for k, v in kv]
     scatter_kv(kv, rows, garbage)
     partial_forward(arch_model, ids, rows, kv)
-    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    assert_kv_close(kv, ref)
 
 
 def test_logical_length_of_compressed_cache(llama):
@@ -86,9 +82,7 @@ def test_layer_ranges_compose_to_full_prefill(arch_model):
     h = partial_forward(arch_model, ids, rows, kv, layers=range(0, 1))
     h = partial_forward(arch_model, ids, rows, kv, layers=range(1, n_layers), hidden_states=h)
     torch.testing.assert_close(arch_model.lm_head(h), ref_logits, atol=1e-4, rtol=1e-4)
-    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    assert_kv_close(kv, ref)
 
 
 def test_layer_range_subset_rows_is_exact_on_exact_cache(arch_model):
@@ -101,6 +95,4 @@ def test_layer_range_subset_rows_is_exact_on_exact_cache(arch_model):
     h = partial_forward(arch_model, ids, torch.arange(24), kv, layers=range(0, 1))
     partial_forward(arch_model, ids, rows, kv, layers=range(1, arch_model.config.num_hidden_layers),
                     hidden_states=h[:, rows])
-    for (k, v), (rk, rv) in zip(kv, kv_of(ref)):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    assert_kv_close(kv, ref)

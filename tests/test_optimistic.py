@@ -5,11 +5,11 @@ import warnings
 import pytest
 import torch
 
-from hf_kvreuse import OptimisticCache, enable, is_enabled, kv_of, tiny_model
+from hf_kvreuse import OptimisticCache, enable, is_enabled, tiny_model
 from hf_kvreuse.compat import output_cache
 from hf_kvreuse.generation.background import BackgroundPrefill
 
-from conftest import agent_prompts, exact_prefill
+from conftest import agent_prompts, assert_kv_close, exact_prefill
 
 GEN = dict(max_new_tokens=16, do_sample=False)
 
@@ -76,9 +76,7 @@ def test_continuation_after_swap_is_exact(arch_model, slow_background, swap_at):
     assert torch.equal(out, ref)
     # the returned cache is the exact cache of every fed token
     exact, _ = exact_prefill(arch_model, out[:, :-1])
-    for (k, v), (ek, ev) in zip(kv_of(cache), kv_of(exact)):
-        torch.testing.assert_close(k, ek, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v, ev, atol=1e-4, rtol=1e-4)
+    assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_optimistic_tokens_differ_and_divergence_is_counted(llama, slow_background):
@@ -167,9 +165,7 @@ def test_early_finish_swap_returns_exact_cache(llama, slow_background):
     cache = _cache(llama, ids_b, donor, max_optimistic_tokens=None)
     out = llama.generate(ids_b, cache=cache, max_new_tokens=3, do_sample=False)
     exact, _ = exact_prefill(llama, out[:, :-1])
-    for (k, v), (ek, ev) in zip(kv_of(cache), kv_of(exact)):
-        torch.testing.assert_close(k, ek, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v, ev, atol=1e-4, rtol=1e-4)
+    assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_eager_attention(llama_eager, slow_background):

@@ -172,10 +172,20 @@ class BlockReuseCache(KVReuseCache):
         return kv
 
 
-def block_edge_rows(blocks: list[tuple[int, int]], k: int, where: str) -> torch.Tensor:
-    """The first (``where="head"``) or last (``"tail"``) ``k`` rows of every block."""
-    rows = []
-    for s, e in blocks:
-        n = min(k, e - s)
-        rows.append(torch.arange(s, s + n) if where == "head" else torch.arange(e - n, e))
-    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+class EdgeRecomputeCache(BlockReuseCache):
+    """Recompute ``recompute_tokens`` rows at one edge (``edge``: "head" or "tail") of every reused block."""
+
+    edge: str = "head"
+
+    def __init__(self, model, input_ids, blocks, store=None, block_prefix_ids=None, recompute_tokens: int = 16):
+        if recompute_tokens < 0:
+            raise ValueError("recompute_tokens must be >= 0")
+        self.recompute_tokens = recompute_tokens
+        super().__init__(model, input_ids, blocks, store, block_prefix_ids)
+
+    def extra_rows(self) -> torch.Tensor:
+        rows = []
+        for s, e in self.blocks:
+            n = min(self.recompute_tokens, e - s)
+            rows.append(torch.arange(s, s + n) if self.edge == "head" else torch.arange(e - n, e))
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)

@@ -6,14 +6,10 @@ A block encoded on its own turns its first tokens into spurious attention sinks;
 cache. Cost O(k · #blocks).
 """
 
-from __future__ import annotations
-
-import torch
-
-from .block_reuse import BlockReuseCache, block_edge_rows
+from .block_reuse import EdgeRecomputeCache
 
 
-class EPICCache(BlockReuseCache):
+class EPICCache(EdgeRecomputeCache):
     """Recompute the first ``recompute_tokens`` tokens of every reused block.
 
     Parameters
@@ -23,11 +19,4 @@ class EPICCache(BlockReuseCache):
     Other parameters are those of :class:`~hf_kvreuse.cache_classes.block_reuse.BlockReuseCache`.
     """
 
-    def __init__(self, model, input_ids, blocks, store=None, block_prefix_ids=None, recompute_tokens: int = 16):
-        if recompute_tokens < 0:
-            raise ValueError("recompute_tokens must be >= 0")
-        self.recompute_tokens = recompute_tokens
-        super().__init__(model, input_ids, blocks, store, block_prefix_ids)
-
-    def extra_rows(self) -> torch.Tensor:
-        return block_edge_rows(self.blocks, self.recompute_tokens, "head")
+    edge = "head"
