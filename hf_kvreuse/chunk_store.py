@@ -29,12 +29,21 @@ def _ids_digest(ids: Sequence[int] | torch.Tensor | None) -> str:
 
 
 def model_fingerprint(model) -> str:
-    """Identifies the weights that produced a chunk (config + a sample of the embedding matrix)."""
-    emb = model.get_input_embeddings().weight
-    sample = emb[: min(4, emb.shape[0]), : min(16, emb.shape[1])].detach().float().cpu()
+    """Identifies the weights (and active adapters) that produce a chunk's K/V.
+
+    Hashes the config, a strided sample of every parameter (so fine-tunes or LoRA weights that leave the
+    embeddings alone still change it) and, for peft-wrapped models, which adapters are active or disabled.
+    """
     h = hashlib.sha1(model.config.to_json_string(use_diff=False).encode())
-    h.update(sample.numpy().tobytes())
-    h.update(str(emb.dtype).encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 8)][:8].float().cpu()
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    for module in model.modules():
+        if hasattr(module, "active_adapters") and hasattr(module, "disable_adapters"):
+            h.update(repr((module.active_adapters, module.disable_adapters)).encode())
+            break
     return h.hexdigest()[:16]
 
 
@@ -87,11 +96,13 @@ class ChunkStore:
         return len(self._items)
 
     @staticmethod
-    def key(model, token_ids, prefix_ids=None, adapter: str | None = None) -> tuple:
-        return (model_fingerprint(model), adapter or "-", _ids_digest(prefix_ids), _ids_digest(token_ids))
+    def key(model, token_ids, prefix_ids=None, adapter: str | None = None, producer: str | None = None) -> tuple:
+        """``producer`` is :func:`model_fingerprint` of ``model`` when the caller already computed it."""
+        return (producer or model_fingerprint(model), adapter or "-", _ids_digest(prefix_ids), _ids_digest(token_ids))
 
-    def get(self, model, token_ids, prefix_ids=None, adapter: str | None = None) -> KVChunk | None:
-        k = self.key(model, token_ids, prefix_ids, adapter)
+    def get(self, model, token_ids, prefix_ids=None, adapter: str | None = None,
+            producer: str | None = None) -> KVChunk | None:
+        k = self.key(model, token_ids, prefix_ids, adapter, producer)
         chunk = self._items.get(k)
         if chunk is None:
             self.misses += 1
@@ -100,20 +111,24 @@ class ChunkStore:
         self._items.move_to_end(k)
         return chunk
 
-    def put(self, model, chunk: KVChunk, prefix_ids=None, adapter: str | None = None) -> None:
+    def put(self, model, chunk: KVChunk, prefix_ids=None, adapter: str | None = None,
+            producer: str | None = None) -> None:
         if chunk.nbytes > self.max_bytes:
             raise ValueError(f"a chunk of {chunk.nbytes} bytes does not fit the store's budget of {self.max_bytes}")
-        self._items[self.key(model, chunk.token_ids, prefix_ids, adapter)] = chunk
-        self._items.move_to_end(self.key(model, chunk.token_ids, prefix_ids, adapter))
+        k = self.key(model, chunk.token_ids, prefix_ids, adapter, producer)
+        self._items[k] = chunk
+        self._items.move_to_end(k)
         while self.nbytes > self.max_bytes:
             self._items.popitem(last=False)
             self.evictions += 1
 
     @torch.no_grad()
-    def get_or_compute(self, model, token_ids, prefix_ids=None, adapter: str | None = None) -> KVChunk:
+    def get_or_compute(self, model, token_ids, prefix_ids=None, adapter: str | None = None,
+                       producer: str | None = None) -> KVChunk:
         """The chunk of ``token_ids`` computed under ``prefix_ids`` (None: standalone at position 0)."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
-        chunk = self.get(model, token_ids, prefix_ids, adapter)
+        producer = producer or model_fingerprint(model)
+        chunk = self.get(model, token_ids, prefix_ids, adapter, producer)
         if chunk is not None:
             return chunk
         device = next(model.parameters()).device
@@ -126,5 +141,5 @@ class ChunkStore:
         anchor = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p - 1, p))] if p else None
         chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids), anchor=anchor,
                         anchor_token=int(prefix[0, -1]) if p else None)
-        self.put(model, chunk, prefix_ids, adapter)
+        self.put(model, chunk, prefix_ids, adapter, producer)
         return chunk

@@ -8,9 +8,17 @@ import torch
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
-    """Wait for queued GPU work (a no-op on CPU) so that wall-clock readings mean something."""
-    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-        torch.cuda.synchronize()
+    """Wait for the work queued on the *current* CUDA stream of ``device`` (a no-op on CPU).
+
+    Only the caller's stream: a device-wide ``torch.cuda.synchronize()`` would also wait for a background
+    prefill on a side stream and so destroy the overlap it measures.
+    """
+    if not torch.cuda.is_available():
+        return
+    if device is None:
+        torch.cuda.current_stream().synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.current_stream(torch.device(device)).synchronize()
 
 
 def now(device: torch.device | str | None = None) -> float:

@@ -46,7 +46,8 @@ def test_self_control_equals_full_prefill(arch_model, method):
     ref = arch_model.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(out.logits[0], ref.logits[0], atol=1e-3, rtol=1e-3)
-    assert cache.stats.reused_tokens + cache.stats.recomputed_tokens == ids.shape[1] - 1
+    in_blocks = sum(e - s for s, e in spans)
+    assert cache.stats.recomputed_tokens == ids.shape[1] - 1 - in_blocks  # only the rows outside blocks
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m][2] is not None])
@@ -163,7 +164,22 @@ def test_offset_cache(llama):
     kd, ko = kv_of(direct), kv_of(offset)
     # layer 0 untouched; above it, every block row moved by the same (per-block) value offset
     torch.testing.assert_close(ko[0][0][..., :n, :], kd[0][0][..., :n, :], atol=1e-5, rtol=1e-5)
+    from hf_kvreuse import RopeShifter
+
+    sh = RopeShifter(llama)
     for s, e in spans:
         dv = ko[1][1][..., s:e, :] - kd[1][1][..., s:e, :]
         assert dv.abs().max() > 1e-3
         torch.testing.assert_close(dv, dv[..., :1, :].expand_as(dv), atol=1e-5, rtol=1e-5)
+        # keys: constant offset in RoPE-free space (un-rotate each row by its own position)
+        unrot = -torch.arange(s, e)
+        dk = sh.shift(ko[1][0][..., s:e, :], unrot) - sh.shift(kd[1][0][..., s:e, :], unrot)
+        assert dk.abs().max() > 1e-3
+        torch.testing.assert_close(dk, dk[..., :1, :].expand_as(dk), atol=1e-4, rtol=1e-4)
+
+
+def test_spans_as_lists_and_bad_blocks(llama):
+    ids, docs, spans = rag_prompt(7)
+    assert DirectReuseCache(llama, ids, [list(sp) for sp in spans]).blocks == spans
+    with pytest.raises(TypeError, match="spans"):
+        DirectReuseCache(llama, ids, [spans[0], docs[1]])

@@ -1,5 +1,4 @@
 import threading
-import time
 import warnings
 
 import pytest
@@ -29,14 +28,30 @@ def _no_worker_alive():
 
 @pytest.fixture
 def slow_background(monkeypatch):
-    """Make the background prefill take `delay` seconds so the swap step is deterministic."""
-    orig = BackgroundPrefill._prefill
+    """Hold the background prefill until the foreground waits for it (or cancels it): the swap then happens
+    exactly at max_optimistic_tokens (or at the end of generation), however loaded the machine is."""
+    orig_prefill, orig_boost, orig_cancel = BackgroundPrefill._prefill, BackgroundPrefill.boost, BackgroundPrefill.cancel
 
-    def slow(self):
-        time.sleep(0.3)
-        return orig(self)
+    def release(self):
+        if not hasattr(self, "_release"):
+            self._release = threading.Event()
+        return self._release
 
-    monkeypatch.setattr(BackgroundPrefill, "_prefill", slow)
+    def held(self):
+        assert release(self).wait(timeout=60), "the foreground never waited for the background prefill"
+        return orig_prefill(self)
+
+    def boost(self):
+        release(self).set()
+        orig_boost(self)
+
+    def cancel(self):
+        release(self).set()
+        orig_cancel(self)
+
+    monkeypatch.setattr(BackgroundPrefill, "_prefill", held)
+    monkeypatch.setattr(BackgroundPrefill, "boost", boost)
+    monkeypatch.setattr(BackgroundPrefill, "cancel", cancel)
 
 
 def test_donor_equal_to_target_is_plain_generate(arch_model):
@@ -91,8 +106,9 @@ def test_optimistic_tokens_differ_and_divergence_is_counted(llama, slow_backgrou
         logits = llama(out[:, : n + 8]).logits[0, n - 1: n + 7]
     manual = int((logits.argmax(-1) != out[0, n: n + 8]).sum())
     assert cache.stats.divergent_tokens == manual
+    assert manual > 0 and not torch.equal(out, exact_greedy)  # the stale cache did change the tokens
     assert cache.stats.optimistic_tokens == 8 and cache.stats.reused_tokens > 0
-    assert not torch.equal(out, exact_greedy) or manual == 0
+    assert cache.stats.first_divergence == int((logits.argmax(-1) != out[0, n: n + 8]).nonzero()[0, 0])
 
 
 def test_sampling_with_swap_runs(llama, slow_background):

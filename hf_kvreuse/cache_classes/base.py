@@ -15,6 +15,7 @@ inside time-to-first-token) and may implement the per-step hooks used by the gen
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ class KVReuseCache(DynamicCache):
         if any(self.is_sliding):
             raise ValueError(f"models with sliding-window attention layers are not supported by "
                              f"{type(self).__name__} yet")
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation={attn!r} is not supported by {type(self).__name__}: partial "
+                             "recompute needs a 4D position mask; load the model with 'sdpa' or 'eager'")
         self.model = model
         self.logical_offset = 0
         self.stats: Any = {}
@@ -68,13 +73,18 @@ class KVReuseCache(DynamicCache):
         mask = generate_kwargs.get("attention_mask")
         if mask is not None and not bool(mask.bool().all()):
             raise ValueError(f"padded attention_mask: {name} does not support padded batches")
-        gen_cfg = generate_kwargs.get("generation_config") or model.generation_config
+        cfg = copy.deepcopy(generate_kwargs.get("generation_config") or model.generation_config)
+        cfg.update(**{k: v for k, v in generate_kwargs.items() if hasattr(cfg, k)})
         for key in ("num_beams", "num_return_sequences"):
-            val = generate_kwargs.get(key, getattr(gen_cfg, key, 1)) or 1
+            val = getattr(cfg, key, 1) or 1
             if val > 1:
                 raise ValueError(f"{key}={val} is not supported with {name} (batch size 1 only)")
-        if generate_kwargs.get("assistant_model") is not None:
-            raise ValueError(f"assisted/speculative decoding is not supported with {name}")
+        mode = str(getattr(cfg.get_generation_mode(generate_kwargs.get("assistant_model")), "value", ""))
+        if mode not in ("greedy_search", "sample"):
+            raise ValueError(f"generation mode {mode!r} is not supported with {name}: greedy or sampling only "
+                             "(no assisted, prompt-lookup or speculative decoding)")
+        if getattr(cfg, "prefill_chunk_size", None):
+            raise ValueError(f"prefill_chunk_size is not supported with {name}")
         self._used = True
 
     # -- lengths -------------------------------------------------------------------------------------------

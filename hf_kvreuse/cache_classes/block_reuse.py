@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..chunk_store import ChunkStore, KVChunk
+from ..chunk_store import ChunkStore, KVChunk, model_fingerprint
 from ..generation.partial import partial_forward
 from ..kv import KV, empty_kv, load_kv
 from ..rope import RopeShifter
@@ -66,8 +66,9 @@ class BlockReuseCache(KVReuseCache):
     model : PreTrainedModel
     input_ids : LongTensor ``[1, N]``
         The full prompt; ``generate`` must be called with it.
-    blocks : sequence of (start, end) spans or of LongTensor token ids
-        The reusable spans of ``input_ids``; ids are located with :func:`find_blocks`.
+    blocks : sequence of (start, end) spans, or sequence of LongTensor token ids
+        The reusable spans of ``input_ids`` (tuples or 2-int lists); token-id tensors are located with
+        :func:`find_blocks`.
     store : ChunkStore, optional
         Where block K/V are looked up and kept (default: a private store).
     block_prefix_ids : LongTensor, list of LongTensor, or "own", optional
@@ -86,8 +87,12 @@ class BlockReuseCache(KVReuseCache):
         self._shifter = RopeShifter(model)
         self.set_target(input_ids)
         blocks = list(blocks)
-        if blocks and not isinstance(blocks[0], tuple):
+        if all(isinstance(b, torch.Tensor) for b in blocks):
             blocks = find_blocks(self.input_ids, blocks)
+        elif all(isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(x, int) for x in b) for b in blocks):
+            blocks = [tuple(b) for b in blocks]
+        else:
+            raise TypeError("blocks must be all (start, end) spans or all LongTensors of token ids")
         covered = self.input_ids.shape[1] - 1
         spans = []
         for s, e in sorted(blocks):
@@ -129,7 +134,8 @@ class BlockReuseCache(KVReuseCache):
 
     def block_chunk(self, s: int, e: int) -> KVChunk:
         before = (self.store.hits, self.store.misses)
-        chunk = self.store.get_or_compute(self.model, self.input_ids[0, s:e], self.prefix_for(s))
+        chunk = self.store.get_or_compute(self.model, self.input_ids[0, s:e], self.prefix_for(s),
+                                          producer=self._producer)
         self.stats.store_hits += self.store.hits - before[0]
         self.stats.store_misses += self.store.misses - before[1]
         return chunk
@@ -153,6 +159,7 @@ class BlockReuseCache(KVReuseCache):
         """Full-length K/V of the covered prompt with every block placed (other rows zero)."""
         covered = self.input_ids.shape[1] - 1
         kv = None
+        self._producer = model_fingerprint(self.model)  # once per assembly, not per block
         self.chunks: dict[tuple[int, int], KVChunk] = {}
         for s, e in self.blocks:
             chunk = self.chunks[(s, e)] = self.block_chunk(s, e)

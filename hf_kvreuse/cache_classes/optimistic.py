@@ -301,4 +301,5 @@ class OptimisticCache(KVReuseCache):
                 else:
                     job.cancel()
                 self.stats.background_prefill_s = job.elapsed_s
+                job._cache = None  # the cache took its tensors (or has moved on): no second copy of the prompt
             self._restore_threads()

@@ -82,6 +82,7 @@ class BackgroundPrefill:
                     with torch.cuda.stream(self._stream):
                         self._cache = self._prefill()
                         self._event.record(self._stream)
+                    self._stream.synchronize()  # this thread only: elapsed_s then covers the GPU work
                 else:
                     self._cache = self._prefill()
         except _Cancelled:
