@@ -256,3 +256,24 @@ def test_sliding_window_model_refused():
     donor = _donor(enable(model), ids)
     with pytest.raises(ValueError, match="sliding-window"):
         _cache(model, ids, donor)
+
+
+def test_peft_model(slow_background):
+    """A peft LoRA model (what the multi-agent adapter caches build on) works through enable()."""
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False),
+                        adapter_name="agent")
+    enable(pm)
+    ids_a, ids_b = agent_prompts(13)
+    out_a = pm.generate(input_ids=ids_a, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    donor = (output_cache(out_a), out_a.sequences)
+    ref = pm.generate(input_ids=ids_b, **GEN)
+    assert torch.equal(pm.generate(input_ids=ids_b, cache=_cache(pm, ids_b, donor, max_optimistic_tokens=0), **GEN),
+                       ref)
+    cache = _cache(pm, ids_b, donor, max_optimistic_tokens=3)
+    out = pm.generate(input_ids=ids_b, cache=cache, **GEN)
+    n = ids_b.shape[1]
+    assert cache.stats.swap_step == 3
+    assert torch.equal(out, pm.generate(input_ids=out[:, : n + 3], max_new_tokens=GEN["max_new_tokens"] - 3,
+                                        do_sample=False))
