@@ -11,6 +11,10 @@ from .models import load_smollm2, smollm2_path, tiny_model
 from .rope import RopeShifter, UnsupportedRopeError, check_rope_supported, rope_shift
 from .timing import TokenTimer, now, synchronize
 
+from .pipeline import KVReuseTextGenerationPipeline, register as _register_pipeline
+
+_register_pipeline()
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -23,5 +27,5 @@ __all__ = [
     "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",
     "load_smollm2", "smollm2_path", "tiny_model",
     "RopeShifter", "UnsupportedRopeError", "check_rope_supported", "rope_shift",
-    "TokenTimer", "now", "synchronize",
+    "TokenTimer", "now", "synchronize", "KVReuseTextGenerationPipeline",
 ]

@@ -86,3 +86,27 @@ def test_stock_text_generation_pipeline(smollm2):
     cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
     assert pipe(msgs[1], cache=cache, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
     assert cache.stats.reused_tokens > 0 and cache.stats.ttft_s is not None
+
+
+def test_kvreuse_pipeline_builds_a_cache_per_input(smollm2):
+    from transformers import pipeline
+
+    model, tok = smollm2
+    doc = "The Nile flows into the Mediterranean Sea."
+    msgs = [[{"role": "system", "content": role}, {"role": "user", "content": f"{doc} Where does the Nile flow?"}]
+            for role in ("You are a researcher.", "You are a strict critic.", "You are a writer.")]
+    ids_a = tok.apply_chat_template(msgs[0], add_generation_prompt=True, return_tensors="pt",
+                                    return_dict=True)["input_ids"]
+    out_a = model.generate(ids_a, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    made = []
+
+    def factory(m, ids):
+        made.append(OptimisticCache(m, input_ids=ids, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
+                                    max_optimistic_tokens=0))
+        return made[-1]
+
+    pipe = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)
+    got = pipe(msgs[1:], cache_factory=factory, max_new_tokens=12, do_sample=False)
+    ref = pipeline("text-generation", model=model, tokenizer=tok)(msgs[1:], max_new_tokens=12, do_sample=False)
+    assert [g[0]["generated_text"][-1] for g in got] == [r[0]["generated_text"][-1] for r in ref]
+    assert len(made) == 2 and all(c.stats.exact and c.stats.swap_step == 0 for c in made)
