@@ -9,7 +9,6 @@ prefix caching cannot help. For agents 2 and 3 the previous agent's cache is the
 import argparse
 import logging
 
-import torch
 
 import hf_kvreuse
 from hf_kvreuse import OptimisticCache, TokenTimer

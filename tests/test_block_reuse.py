@@ -5,7 +5,6 @@ import torch
 
 from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, OffsetCache, TailRecomputeCache,
                         kv_of, tiny_model)
-from hf_kvreuse.compat import output_cache
 
 from conftest import exact_prefill
 

@@ -228,6 +228,9 @@ def test_enable_is_idempotent_and_keeps_class_name(tmp_path):
     assert type(model).__name__ == name
     model.save_pretrained(tmp_path)
     assert name in (tmp_path / "config.json").read_text()
+    from hf_kvreuse import disable
+
+    assert not is_enabled(disable(model)) and type(model).__name__ == name
 
 
 def test_plain_generate_unaffected(llama):
