@@ -1,11 +1,13 @@
 """hf_kvreuse: KV-cache reuse beyond exact prefix caching, as drop-in transformers caches."""
 
 from .alignment import Alignment, Span, align_token_ids, block_token_span, segment_prompt
-from .cache_classes import (BlendCache, BlockReuseCache, DirectReuseCache, EPICCache, KVReuseCache, OffsetCache,
+from .cache_classes import (BaseLRCache, BaseLRStats, BlendCache, BlockReuseCache, DirectReuseCache, EPICCache,
+                            KVReuseCache, OffsetCache,
                             OptimisticCache, OptimisticStats, TailRecomputeCache, find_blocks)
 from .chunk_store import ChunkStore, KVChunk
 from .compat import output_cache
 from .generation import BackgroundPrefill, disable, enable, is_enabled, partial_forward
+from .lora import LoraSplit, UnsupportedAdapterError
 from .kv import cat_kv, dynamic_cache_from_kv, kv_length, kv_of, load_kv, scatter_kv, slice_kv
 from .models import load_smollm2, smollm2_path, tiny_model
 from .rope import RopeShifter, UnsupportedRopeError, check_rope_supported, rope_shift
@@ -22,6 +24,7 @@ __all__ = [
     "KVReuseCache", "OptimisticCache", "OptimisticStats", "output_cache",
     "BlockReuseCache", "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache",
     "find_blocks",
+    "BaseLRCache", "BaseLRStats", "LoraSplit", "UnsupportedAdapterError",
     "ChunkStore", "KVChunk",
     "BackgroundPrefill", "enable", "disable", "is_enabled", "partial_forward",
     "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",

@@ -1,6 +1,7 @@
 """Cache classes: one file per method."""
 
 from .base import KVReuseCache
+from .base_lr import BaseLRCache, BaseLRStats, TurnStats
 from .blend import BlendCache
 from .block_reuse import BlockReuseCache, BlockReuseStats, find_blocks
 from .direct import DirectReuseCache
@@ -10,4 +11,5 @@ from .optimistic import OptimisticCache, OptimisticStats
 from .tail import TailRecomputeCache
 
 __all__ = ["KVReuseCache", "OptimisticCache", "OptimisticStats", "BlockReuseCache", "BlockReuseStats", "find_blocks",
-           "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache"]
+           "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache",
+           "BaseLRCache", "BaseLRStats", "TurnStats"]

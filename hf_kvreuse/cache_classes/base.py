@@ -109,6 +109,10 @@ class KVReuseCache(DynamicCache):
         """
         return next_sequence_length, {}
 
+    def forward(self, forward_fn, **kwargs):
+        """Runs every model forward that carries this cache (``forward_fn`` is the model's own forward)."""
+        return forward_fn(**kwargs)
+
     def after_forward(self, outputs) -> None:
         """Called after every forward of ``generate`` with the model outputs."""
 

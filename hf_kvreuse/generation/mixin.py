@@ -8,6 +8,7 @@ the cache passed to ``generate`` (``cache=`` or the older ``past_key_values=``) 
   the cache assemble itself, so assembly cost is inside time-to-first-token;
 * before every forward (``prepare_inputs_for_generation``): the cache may change how many trailing tokens are
   fed, which is how an exact cache is swapped in with a replay of the tokens generated so far;
+* every forward carrying the cache runs through ``cache.forward`` (e.g. to add a batch row);
 * after every forward (``_update_model_kwargs_for_generation``): the cache sees the outputs (timing, divergence);
 * ``generate`` exit, normal or not: the cache finishes (joins its background work, raises its errors).
 """
@@ -54,6 +55,13 @@ class KVReuseGenerationMixin(GenerationMixin):
                 finish_error = e
             if finish_error is not None and error is None:
                 raise finish_error
+
+    def __call__(self, *args, **kwargs):
+        # __call__, not forward: generate validates model kwargs against forward's signature
+        cache = _find_cache(kwargs)
+        if cache is None or args:
+            return super().__call__(*args, **kwargs)
+        return cache.forward(super().__call__, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         extra = {}

@@ -1,0 +1,310 @@
+"""BaseLRCache (PReCache): the paper's invariants on tiny multi-LoRA models with random non-zero adapters."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import DynamicCache
+
+from hf_kvreuse import BaseLRCache, UnsupportedAdapterError, kv_of, tiny_model
+from hf_kvreuse.compat import cache_kwargs
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+AGENTS = ("plan", "act", "reflect")
+METHODS = ("nonshared", "prelrshared", "rebaseshared")
+GEN = dict(do_sample=False)
+
+
+def multi_lora(arch="llama", targets=("v_proj",), r=4, attn="sdpa", seed=1, **lora_kw):
+    """A peft model with three random, clearly non-zero LoRA adapters (peft's default init has B = 0)."""
+    pm = get_peft_model(tiny_model(arch, attn_implementation=attn),
+                        LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False,
+                                   **lora_kw), adapter_name=AGENTS[0])
+    for name in AGENTS[1:]:
+        pm.add_adapter(name, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets),
+                                        init_lora_weights=False, **lora_kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return pm.eval()
+
+
+def split_targets(arch):
+    return ("k_proj", "v_proj") if arch != "qwen3" else ("v_proj",)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pm(request):
+    return multi_lora(request.param, targets=split_targets(request.param) + ("q_proj", "o_proj"))
+
+
+@pytest.fixture(scope="module")
+def pm_llama():
+    return multi_lora("llama")
+
+
+def rand_ids(n, seed=0):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run_trace(pm, cache, turns, seed=0):
+    """Run a trajectory: each turn appends new tokens, then the turn's agent generates. Returns sequences."""
+    seq = torch.empty(1, 0, dtype=torch.long)
+    outs = []
+    for i, (agent, new, gen) in enumerate(turns):
+        seq = torch.cat([seq, rand_ids(new, seed + i)], 1)
+        pm.set_adapter(agent)
+        seq = pm.generate(input_ids=seq, cache=cache, max_new_tokens=gen, **GEN)
+        outs.append(seq)
+    return outs
+
+
+TRACE = [("plan", 14, 5), ("act", 3, 4), ("plan", 9, 3), ("reflect", 4, 4)]
+
+
+def plain(pm, agent, ids, gen):
+    pm.set_adapter(agent)
+    return pm.generate(input_ids=ids, max_new_tokens=gen, **GEN)
+
+
+def neutral_states(pm, ids):
+    """Adapter-free forward over ``ids``: its K/V and the input X of every v_proj / k_proj."""
+    xs, handles = {}, []
+    for layer in pm.get_base_model().model.layers:
+        for proj in ("k_proj", "v_proj"):
+            mod = getattr(layer.self_attn, proj)
+            handles.append(mod.register_forward_hook(
+                lambda m, a, o, key=(layer.self_attn.layer_idx, proj): xs.__setitem__(key, a[0].detach())))
+    cache = DynamicCache(config=pm.config)
+    with torch.no_grad(), pm.disable_adapter():
+        pm(input_ids=ids, use_cache=True, **cache_kwargs(cache))
+    for h in handles:
+        h.remove()
+    return cache, xs
+
+
+def factor(pm, layer, proj, agent):
+    mod = getattr(pm.get_base_model().model.layers[layer].self_attn, proj)
+    return mod.lora_A[agent].weight if agent in getattr(mod, "lora_A", {}) else None
+
+
+# -- correctness gates -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_single_agent_equals_plain_generate(pm, method):
+    """One agent alone: every method is plain generate with that adapter (tokens and logits)."""
+    ids = rand_ids(20)
+    pm.set_adapter("act")
+    ref = pm.generate(input_ids=ids, max_new_tokens=8, output_scores=True, return_dict_in_generate=True, **GEN)
+    cache = BaseLRCache(pm, method=method)
+    out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=8, output_scores=True,
+                      return_dict_in_generate=True, **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert cache.stats.last.agent == "act" and cache.stats.last.prefill_tokens == 20
+    # the model is left as it was: plain generate afterwards is unchanged
+    assert torch.equal(pm.generate(input_ids=ids, max_new_tokens=8, **GEN), ref.sequences)
+    assert pm.config._attn_implementation == "sdpa"
+
+
+def test_adapters_change_the_output(pm_llama):
+    """Sanity for every test here: the random adapters lead to different tokens than each other / the base."""
+    ids = rand_ids(20)
+    outs = {a: plain(pm_llama, a, ids, 8) for a in AGENTS}
+    with pm_llama.disable_adapter():
+        outs["base"] = pm_llama.generate(input_ids=ids, max_new_tokens=8, **GEN)
+    assert len({tuple(o[0].tolist()) for o in outs.values()}) == 4
+
+
+def test_nonshared_equals_plain_generate_every_turn(pm):
+    """The baseline keeps one exact cache per agent: every turn equals plain generate of the full prompt."""
+    cache = BaseLRCache(pm, method="nonshared")
+    outs = run_trace(pm, cache, TRACE)
+    prev = torch.empty(1, 0, dtype=torch.long)
+    for i, ((agent, new, gen), out) in enumerate(zip(TRACE, outs)):
+        prompt = torch.cat([prev, rand_ids(new, i)], 1)
+        assert torch.equal(out, plain(pm, agent, prompt, gen))
+        prev = out
+    # the act turn re-prefilled everything the plan agent added; the second plan turn only the others' tokens
+    assert cache.stats.turns[1].cached_tokens == 0
+    assert cache.stats.turns[2].prefill_tokens == outs[2].shape[1] - 3 - (outs[0].shape[1] - 1)
+
+
+@pytest.mark.parametrize("method", ["prelrshared", "rebaseshared"])
+def test_shared_prefills_only_new_tokens(pm_llama, method):
+    cache = BaseLRCache(pm_llama, method=method)
+    outs = run_trace(pm_llama, cache, TRACE)
+    for i, turn in enumerate(cache.stats.turns):
+        prev_len = outs[i - 1].shape[1] if i else 0
+        assert turn.cached_tokens == max(prev_len - 1, 0)
+        assert turn.prefill_tokens == TRACE[i][1] + (1 if i else 0)  # new tokens + the last generated token
+    assert cache.physical_length() == outs[-1].shape[1] - 1
+
+
+# -- PReCache invariants ----------------------------------------------------------------------------------------
+def test_prelrshared_lr_caches_equal_writer_states_times_A(pm):
+    """PreLRShared: after the plan turn, every adapter's LR cache is X_plan·A_j and the base is plan's K/V."""
+    cache = BaseLRCache(pm, method="prelrshared")
+    pm.set_adapter("plan")
+    out = pm.generate(input_ids=rand_ids(16), cache=cache, max_new_tokens=4, **GEN)
+    T = out.shape[1] - 1
+    xs, handles = {}, []
+    base = pm.get_base_model()
+    for layer in base.model.layers:
+        handles.append(layer.self_attn.v_proj.register_forward_hook(
+            lambda m, a, o, key=layer.self_attn.layer_idx: xs.__setitem__(key, a[0].detach())))
+    ref_cache = DynamicCache(config=pm.config)
+    with torch.no_grad():
+        pm(input_ids=out[:, :T], use_cache=True, **cache_kwargs(ref_cache))
+    for h in handles:
+        h.remove()
+    for layer, x in xs.items():
+        for agent in AGENTS:
+            A = factor(pm, layer, "v_proj", agent)
+            torch.testing.assert_close(cache.store.get("v", agent, layer), x @ A.T, atol=1e-5, rtol=1e-5)
+        vproj = base.model.layers[layer].self_attn.v_proj.base_layer
+        hkv = pm.config.num_key_value_heads
+        v_base = vproj(x).view(1, T, hkv, -1).transpose(1, 2)
+        torch.testing.assert_close(kv_of(cache)[layer][1], v_base, atol=1e-5, rtol=1e-5)
+        if "k" in cache.split.modules[layer]:
+            continue
+        torch.testing.assert_close(kv_of(cache)[layer][0], kv_of(ref_cache)[layer][0], atol=1e-5, rtol=1e-5)
+
+
+def test_rebaseshared_base_equals_adapter_free_forward(pm):
+    """ReBaseShared: base K/V equal an adapter-free forward; other agents' LR = X_neutral·A over each turn."""
+    cache = BaseLRCache(pm, method="rebaseshared")
+    outs = run_trace(pm, cache, TRACE)
+    T = outs[-1].shape[1] - 1
+    ref, xs = neutral_states(pm, outs[-1][:, :T])
+    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    starts = [t.cached_tokens for t in cache.stats.turns] + [T]
+    for i, turn in enumerate(cache.stats.turns):
+        lo, hi = starts[i], starts[i + 1]
+        for layer in range(pm.config.num_hidden_layers):
+            for proj, kind in (("v_proj", "v"), ("k_proj", "k")):
+                for agent in AGENTS:
+                    A = factor(pm, layer, proj, agent)
+                    if A is None or agent == turn.agent:
+                        continue
+                    L = cache.store.get(kind, agent, layer)[:, lo:hi]
+                    torch.testing.assert_close(L, xs[(layer, proj)][:, lo:hi] @ A.T, atol=1e-5, rtol=1e-5)
+
+
+def test_rebaseshared_own_turn_lr_is_adapted_pass_over_neutral_prefix(pm_llama):
+    """The active agent's LR over its own turn comes from its adapted pass over the neutral prefix."""
+    pm = pm_llama
+    cache = BaseLRCache(pm, method="rebaseshared")
+    outs = run_trace(pm, cache, TRACE[:2])
+    lo, hi = cache.stats.turns[1].cached_tokens, outs[1].shape[1] - 1
+    # reference: a fresh single-agent act cache (exact act states) is NOT the target; the neutral prefix is
+    ref, _ = neutral_states(pm, outs[1][:, :lo])
+    xs, handles = {}, []
+    for layer in pm.get_base_model().model.layers:
+        handles.append(layer.self_attn.v_proj.register_forward_hook(
+            lambda m, a, o, key=layer.self_attn.layer_idx: xs.setdefault(key, []).append(a[0].detach())))
+    # run act over its turn on a copy of the neutral prefix, with act's LR term on the prefix values
+    replay = BaseLRCache(pm, method="rebaseshared", agent="act")
+    replay.layers = [type(layer)() for layer in replay.layers]
+    for layer, (k, v) in zip(replay.layers, kv_of(ref)):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k.clone(), v.clone()
+    replay.token_ids = outs[1][:, :lo]
+    for layer in range(pm.config.num_hidden_layers):
+        replay.store.append("v", "act", layer, cache.store.get("v", "act", layer)[:, :lo])
+    replay.store.lr["v"]["plan"] = {layer: cache.store.get("v", "plan", layer)[:, :lo].clone()
+                                    for layer in range(pm.config.num_hidden_layers)}
+    replay.store.lr["v"]["reflect"] = {layer: cache.store.get("v", "reflect", layer)[:, :lo].clone()
+                                       for layer in range(pm.config.num_hidden_layers)}
+    pm.set_adapter("act")
+    pm.generate(input_ids=outs[1][:, : hi + 1], cache=replay, max_new_tokens=1, **GEN)
+    for h in handles:
+        h.remove()
+    for layer in range(pm.config.num_hidden_layers):
+        A = factor(pm, layer, "v_proj", "act")
+        x_turn = xs[layer][0][:, : hi - lo]  # the replay prefill covers lo..hi; the turn cached lo..hi-1
+        torch.testing.assert_close(cache.store.get("v", "act", layer)[:, lo:hi], x_turn @ A.T, atol=1e-5, rtol=1e-5)
+
+
+def test_alongside_equals_after_turn(pm):
+    """DB (a second adapter-free batch row) and LP (re-prefill after the turn) give the same caches."""
+    caches, outs = {}, {}
+    for schedule in ("after_turn", "alongside"):
+        caches[schedule] = BaseLRCache(pm, method="rebaseshared", schedule=schedule)
+        outs[schedule] = run_trace(pm, caches[schedule], TRACE)
+    for a, b in zip(outs["after_turn"], outs["alongside"]):
+        assert torch.equal(a, b)
+    lp, db = caches["after_turn"], caches["alongside"]
+    for (k, v), (rk, rv) in zip(kv_of(db), kv_of(lp)):
+        assert k.shape[0] == 1
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-4)
+    for kind in ("k", "v"):
+        for agent, per_layer in lp.store.lr[kind].items():
+            for layer, t in per_layer.items():
+                torch.testing.assert_close(db.store.get(kind, agent, layer), t, atol=1e-5, rtol=1e-4)
+    assert db.stats.turns[-1].rebase_tokens == 0 and lp.stats.turns[-1].rebase_tokens > 0
+
+
+def test_eager_attention_matches_sdpa():
+    ids = rand_ids(18)
+    outs = []
+    for attn in ("sdpa", "eager"):
+        pm = multi_lora("llama", targets=("k_proj", "v_proj"), attn=attn)
+        cache = BaseLRCache(pm, method="prelrshared")
+        outs.append(run_trace(pm, cache, TRACE)[-1])
+        assert pm.config._attn_implementation == attn
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_edited_trajectory_is_cropped_to_common_prefix(pm_llama):
+    """ids that do not extend the cached tokens: the cache keeps the common prefix, and stays exact."""
+    pm = pm_llama
+    cache = BaseLRCache(pm, method="prelrshared")
+    pm.set_adapter("plan")
+    out = pm.generate(input_ids=rand_ids(20), cache=cache, max_new_tokens=4, **GEN)
+    edited = torch.cat([out[:, :10], rand_ids(6, 9)], 1)
+    again = pm.generate(input_ids=edited, cache=cache, max_new_tokens=5, **GEN)
+    assert cache.stats.last.cached_tokens == 10
+    assert torch.equal(again, plain(pm, "plan", edited, 5))
+
+
+def test_memory_per_extra_agent():
+    """LR cache of one adapter = r / (2·H_kv·D) of the full (base) cache: 4 / 64 here, 8 / 384 on SmolLM2."""
+    pm = multi_lora("llama", r=4)
+    cache = BaseLRCache(pm, method="prelrshared")
+    run_trace(pm, cache, TRACE[:2])
+    base = cache.kv_bytes() - cache.lr_bytes()
+    cfg = pm.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert cache.lr_bytes("act") / base == pytest.approx(4 / (2 * cfg.num_key_value_heads * head_dim))
+
+
+# -- clear errors ----------------------------------------------------------------------------------------------
+def test_errors(pm_llama):
+    with pytest.raises(ValueError, match="unknown adapter 'critic'"):
+        BaseLRCache(pm_llama, agent="critic")
+    with pytest.raises(ValueError, match="method must be one of"):
+        BaseLRCache(pm_llama, method="shared")
+    with pytest.raises(TypeError, match="PeftModel"):
+        BaseLRCache(tiny_model("llama"))
+    with pytest.raises(UnsupportedAdapterError, match="k_proj.*k_norm"):
+        BaseLRCache(multi_lora("qwen3", targets=("k_proj", "v_proj")))
+    with pytest.raises(UnsupportedAdapterError, match="v_proj.*DoRA"):
+        BaseLRCache(multi_lora("llama", use_dora=True))
+    with pytest.raises(UnsupportedAdapterError, match="no LoRA on k_proj or v_proj"):
+        BaseLRCache(multi_lora("llama", targets=("q_proj",)))
+    merged = multi_lora("llama")
+    merged.merge_adapter()
+    with pytest.raises(UnsupportedAdapterError, match="merged"):
+        BaseLRCache(merged)
+    # nonshared has no split, so any adapter works there
+    BaseLRCache(multi_lora("llama", use_dora=True), method="nonshared")
+    cache = BaseLRCache(pm_llama)
+    pm_llama.set_adapter("plan")
+    with pytest.raises(ValueError, match="batch size 1"):
+        pm_llama.generate(input_ids=rand_ids(8).repeat(2, 1), cache=cache, max_new_tokens=2)
+    assert pm_llama.config._attn_implementation == "sdpa"
