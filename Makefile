@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test test-fast bench bench-gpu
+.PHONY: install demo test test-fast bench bench-base-lr bench-gpu
 install: $(VENV)/.installed
 
 demo: install
@@ -24,3 +24,6 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/optimistic.py
+
+bench-base-lr: install
+	$(PY) benchmarks/base_lr.py

@@ -8,6 +8,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hf_kvreuse", "hf_kvreuse.*"]),
+    # the shipped SmolLM2 role adapters (scripts/train_role_adapters.py)
+    package_data={"hf_kvreuse": ["adapters/*/*.md", "adapters/*/*/*.json", "adapters/*/*/*.safetensors"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,8 +57,8 @@ class LRState:
     """Per-forward instructions for the patched projections and the attention (set in :data:`ACTIVE`)."""
 
     rows: list[Row]
-    store: "LRStore"
-    split: "LoraSplit"
+    store: LRStore
+    split: LoraSplit
     positions_cache: dict = field(default_factory=dict)
 
 

@@ -250,7 +250,6 @@ def test_alongside_equals_after_turn(pm):
 
 
 def test_eager_attention_matches_sdpa():
-    ids = rand_ids(18)
     outs = []
     for attn in ("sdpa", "eager"):
         pm = multi_lora("llama", targets=("k_proj", "v_proj"), attn=attn)
@@ -308,3 +307,5 @@ def test_errors(pm_llama):
     with pytest.raises(ValueError, match="batch size 1"):
         pm_llama.generate(input_ids=rand_ids(8).repeat(2, 1), cache=cache, max_new_tokens=2)
     assert pm_llama.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="filled through model.generate"):
+        pm_llama(input_ids=rand_ids(8), use_cache=True, **cache_kwargs(BaseLRCache(pm_llama)))

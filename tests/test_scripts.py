@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,3 +21,17 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
                                           "after_swap_equals_generate"))
     row = res["rows"][0]
     assert row["opt_ttft_s"] > 0 and row["full_ttft_s"] > 0 and len(row["samples"]) == 2
+
+
+@pytest.mark.slow
+def test_base_lr_benchmark_smoke(tmp_path):
+    """benchmarks/base_lr.py end to end on a tiny trace (shipped SmolLM2 role adapters)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_lr.py"), "--scale", "0.02", "--repeats",
+                           "1", "--items", "1", "--observation", "96", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "base_lr.json").read_text())
+    rows = {r["variant"]: r for r in res["efficiency"]["rows"]}
+    assert set(rows) == {"nonshared", "prelrshared", "rebaseshared/after_turn", "rebaseshared/alongside"}
+    assert rows["prelrshared"]["prefill_tokens"] < rows["nonshared"]["prefill_tokens"]
+    assert (tmp_path / "base_lr.png").exists() and len(res["accuracy"]["rows"]) == 4

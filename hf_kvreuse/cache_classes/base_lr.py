@@ -234,6 +234,9 @@ class BaseLRCache(KVReuseCache):
     # -- every forward (called by the generation mixin) ------------------------------------------------------
     def forward(self, forward_fn, **kwargs):
         if self._state is None:
+            if self.shared:
+                raise RuntimeError("a shared BaseLRCache is filled through model.generate (it must split every "
+                                   "forward into base and low-rank caches); do not pass it to a plain forward")
             return forward_fn(**kwargs)
         rows = len(self._state.rows)
         if rows > 1:

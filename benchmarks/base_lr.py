@@ -1,0 +1,258 @@
+"""PReCache benchmark: NonShared vs PreLRShared vs ReBaseShared on SmolLM2-135M with the shipped role adapters.
+
+Two parts, every variant side by side in one run (CPU machines drift; ratios are taken per repeat):
+
+1. **Efficiency** on a controlled ReAct trace in the shape of PReCache's ``traces/react_17.3k.csv``
+   (prefill / decode tokens per turn: ``plan 512/32, plan 8/8, act 8/8, [plan 4096/32, plan 8/8, act 8/8] x4,
+   reflect 32/32, reflect 8/8``), every prefill length multiplied by ``--scale`` (0.25 on CPU: ~4.4k tokens).
+   The new tokens are real SQuAD text; each turn decodes exactly its budget. Per variant: time to first token
+   (sum over the trace and per turn), per-request throughput (generated tokens / end-to-end seconds of the
+   turn, as single-stream requests), the adapter-free rebuild time (after_turn), and the K/V memory.
+2. **Accuracy** on held-out SQuAD items (articles unseen by the adapters) as ReAct episodes: ``plan`` writes
+   ``Thought/Action: Retrieve[topic]``; the environment appends a ~``--observation``-token observation (the
+   answering passage among others) that ``plan`` reads while writing its next thought; ``act`` writes
+   ``Finish[answer]``; ``reflect`` judges it. The scratchpad text is the same for every variant (agents'
+   turns are scored, then the canonical text continues), so only the cache method differs. Reported: each
+   role's skill, act accuracy (gold answer contained) and agreement with ``nonshared``.
+
+    python benchmarks/base_lr.py [--scale 0.25] [--repeats 2] [--items 30] [--observation 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import hf_kvreuse
+from hf_kvreuse import BaseLRCache, TokenTimer
+from hf_kvreuse import react
+from hf_kvreuse.datasets import passages_for, squad
+from hf_kvreuse.timing import now
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import markdown_table  # noqa: E402
+
+VARIANTS = [("nonshared", "after_turn"), ("prelrshared", "after_turn"), ("rebaseshared", "after_turn"),
+            ("rebaseshared", "alongside")]
+# PReCache traces/react_17.3k.csv: (agent, prefill tokens, decode tokens) per turn
+REACT_17_3K = ([("plan", 512, 32), ("plan", 8, 8), ("act", 8, 8)] + [("plan", 4096, 32), ("plan", 8, 8),
+                                                                      ("act", 8, 8)] * 4
+               + [("reflect", 32, 32), ("reflect", 8, 8)])
+
+
+def label(method: str, schedule: str) -> str:
+    return f"{method}/{schedule}" if method == "rebaseshared" else method
+
+
+def scaled_trace(scale: float) -> list[tuple[str, int, int]]:
+    return [(a, max(8, round(p * scale)) if p > 32 else p, d) for a, p, d in REACT_17_3K]
+
+
+def text_stream(tok, items, n_tokens: int) -> torch.Tensor:
+    """Real text for the trace: SQuAD passages, tokenized back to back."""
+    ids, seen = [], set()
+    for it in items:
+        if it.passage not in seen:
+            seen.add(it.passage)
+            ids += tok(it.passage + "\n", add_special_tokens=False)["input_ids"]
+            if len(ids) >= n_tokens:
+                break
+    return torch.tensor(ids[:n_tokens])[None]
+
+
+def run_trace(pm, trace, text_ids, method, schedule) -> dict:
+    cache = BaseLRCache(pm, method=method, schedule=schedule)
+    seq, pos, turns = torch.empty(1, 0, dtype=torch.long), 0, []
+    for agent, n_new, n_dec in trace:
+        seq = torch.cat([seq, text_ids[:, pos: pos + n_new]], 1)
+        pos += n_new
+        pm.set_adapter(agent)
+        timer = TokenTimer()
+        t0 = timer.start().t0
+        seq = pm.generate(input_ids=seq, cache=cache, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False,
+                          streamer=timer)
+        e2e = now() - t0
+        st = cache.stats.last
+        turns.append(dict(agent=agent, prefill_tokens=st.prefill_tokens, ttft_s=timer.ttft_s, e2e_s=e2e,
+                          generated=n_dec, rebase_s=st.rebase_s))
+    base = cache.kv_bytes() - cache.lr_bytes()
+    mem = dict(kv_bytes=cache.kv_bytes(), lr_bytes={a: cache.lr_bytes(a) for a in pm.peft_config},
+               base_bytes=base if method != "nonshared" else None)
+    return dict(turns=turns, memory=mem, total_tokens=seq.shape[1])
+
+
+def efficiency(pm, tok, items, args) -> dict:
+    trace = scaled_trace(args.scale)
+    text_ids = text_stream(tok, items, sum(p for _, p, _ in trace))
+    runs = {label(*v): [] for v in VARIANTS}
+    run_trace(pm, trace[:3], text_ids, "prelrshared", "after_turn")  # warm-up
+    for rep in range(args.repeats):
+        order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+        for method, schedule in order:
+            r = run_trace(pm, trace, text_ids, method, schedule)
+            runs[label(method, schedule)].append(r)
+            print(f"  repeat {rep} {label(method, schedule):24s} sum TTFT "
+                  f"{sum(t['ttft_s'] for t in r['turns']):.2f} s", flush=True)
+    ref = runs["nonshared"]
+    rows = []
+    for name, reps in runs.items():
+        sum_ttft = [sum(t["ttft_s"] for t in r["turns"]) for r in reps]
+        e2e = [sum(t["e2e_s"] for t in r["turns"]) for r in reps]
+        gen = sum(t["generated"] for t in reps[0]["turns"])
+        per_turn = [[t["ttft_s"] for t in r["turns"]] for r in reps]
+        mem = reps[0]["memory"]
+        rows.append(dict(
+            variant=name, prefill_tokens=sum(t["prefill_tokens"] for t in reps[0]["turns"]),
+            sum_ttft_s=statistics.median(sum_ttft),
+            ttft_speedup=statistics.median(sum(t["ttft_s"] for t in a["turns"]) / s
+                                           for a, s in zip(ref, sum_ttft)),
+            mean_turn_ttft_speedup=statistics.median(
+                statistics.mean(x / y for x, y in zip([t["ttft_s"] for t in a["turns"]], pt))
+                for a, pt in zip(ref, per_turn)),
+            e2e_s=statistics.median(e2e), throughput_tok_s=gen / statistics.median(e2e),
+            throughput_gain=statistics.median((gen / e) / (gen / sum(t["e2e_s"] for t in a["turns"]))
+                                              for a, e in zip(ref, e2e)),
+            rebase_s=statistics.median(sum(t["rebase_s"] for t in r["turns"]) for r in reps),
+            kv_mb=mem["kv_bytes"] / 2**20,
+            lr_per_agent_pct=(100 * max(mem["lr_bytes"].values()) / mem["base_bytes"]) if mem["base_bytes"] else None,
+            per_turn_ttft_s=[statistics.median(x) for x in zip(*per_turn)]))
+    return dict(trace=trace, rows=rows, runs=runs)
+
+
+def accuracy(pm, tok, items, args) -> dict:
+    _, held = react.split_items(items)
+    held = held[:: max(1, len(held) // args.items)][: args.items]
+    results = {label(*v): [] for v in VARIANTS}
+    for i, item in enumerate(held):
+        passages = passages_for(items, item, tok, args.observation)
+        act = react.act_example(item, passages)
+        read_prompt = act.prompt[: act.prompt.rindex(react.ACT_THOUGHT)]
+        for method, schedule in VARIANTS:
+            cache = BaseLRCache(pm, method=method, schedule=schedule)
+            rec = dict(item=i)
+
+            def turn(agent, prompt, max_new, key=None):
+                ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+                pm.set_adapter(agent)
+                timer = TokenTimer()
+                timer.start()
+                out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new, do_sample=False,
+                                  stop_strings=["]"], tokenizer=tok, streamer=timer)
+                if key:
+                    rec[f"{key}_ttft_s"] = timer.ttft_s
+                return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+            plan_text = turn("plan", react.plan_example(item).prompt, react.MAX_NEW_TOKENS["plan"])
+            turn("plan", read_prompt, 8, key="read")  # plan reads the long observation (its thought is not kept)
+            answer = react.parse_finish(turn("act", act.prompt, react.MAX_NEW_TOKENS["act"], key="act"))
+            verdict = turn("reflect", react.reflect_example(item, passages, answer).prompt,
+                           react.MAX_NEW_TOKENS["reflect"], key="reflect")
+            rec.update(plan_ok=react.check_plan(plan_text, item), answer=answer,
+                       act_ok=react.check_act(answer, item),
+                       reflect_ok=react.check_reflect(verdict, react.is_right(answer, item)),
+                       prompt_tokens=len(tok(act.prompt, add_special_tokens=False)["input_ids"]))
+            results[label(method, schedule)].append(rec)
+        print(f"  item {i + 1}/{len(held)}: " + ", ".join(
+            f"{k}={r[-1]['answer']!r}" for k, r in results.items()), flush=True)
+    ref = results["nonshared"]
+    rows = []
+    for name, recs in results.items():
+        pct = lambda f: 100 * sum(f(r) for r in recs) / len(recs)  # noqa: E731
+        rows.append(dict(variant=name, n=len(recs), plan_pct=pct(lambda r: r["plan_ok"]),
+                         act_pct=pct(lambda r: r["act_ok"]), reflect_pct=pct(lambda r: r["reflect_ok"]),
+                         agree_pct=100 * sum(a["answer"] == b["answer"] for a, b in zip(recs, ref)) / len(recs),
+                         act_ttft_s=statistics.median(r["act_ttft_s"] for r in recs),
+                         reflect_ttft_s=statistics.median(r["reflect_ttft_s"] for r in recs)))
+    return dict(rows=rows, items=results, observation_tokens=args.observation)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r in result["efficiency"]["rows"]:
+        a.plot(range(len(r["per_turn_ttft_s"])), r["per_turn_ttft_s"], marker="o", label=r["variant"])
+    a.set_yscale("log")
+    a.set_xlabel("turn of the ReAct trace")
+    a.set_ylabel("time to first token (s)")
+    a.set_xticks(range(len(result["efficiency"]["trace"])),
+                 [t[0][0] for t in result["efficiency"]["trace"]])
+    a.legend()
+    a.set_title(f"react_17.3k shape x{result['args']['scale']} (SmolLM2-135M, CPU)")
+    if result.get("accuracy"):
+        rows = result["accuracy"]["rows"]
+        keys = [("plan_pct", "plan skill"), ("act_pct", "act accuracy"), ("reflect_pct", "reflect skill"),
+                ("agree_pct", "answer = nonshared")]
+        w = 0.8 / len(rows)
+        for i, r in enumerate(rows):
+            b.bar([k + i * w for k in range(len(keys))], [r[k] for k, _ in keys], w, label=r["variant"])
+        b.set_xticks([k + 0.4 - w / 2 for k in range(len(keys))], [n for _, n in keys])
+        b.set_ylabel("%")
+        b.set_title(f"held-out SQuAD ReAct episodes (n={rows[0]['n']})")
+        b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=0.25, help="multiplies the trace's long prefills")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--items", type=int, default=30, help="held-out QA episodes for accuracy (0: skip)")
+    ap.add_argument("--observation", type=int, default=1024, help="observation tokens per episode")
+    ap.add_argument("--adapters", type=Path, default=None, help="role adapter folder (default: the shipped ones)")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok = hf_kvreuse.load_smollm2()
+    pm = react.load_role_adapters(model, args.adapters)
+    items = squad()
+    t0 = time.time()
+    print("efficiency: react_17.3k-shaped trace", flush=True)
+    eff = efficiency(pm, tok, items, args)
+    acc = accuracy(pm, tok, items, args) if args.items else None
+    result = dict(args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  env=dict(torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
+                           cpus=os.cpu_count(), device="cpu"),
+                  efficiency=eff, accuracy=acc, wall_s=time.time() - t0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "base_lr.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "base_lr.png")
+    print()
+    print(markdown_table(eff["rows"], [
+        ("variant", lambda r: r["variant"]), ("prefilled tokens", lambda r: str(r["prefill_tokens"])),
+        ("sum TTFT", lambda r: f"{r['sum_ttft_s']:.2f} s"),
+        ("TTFT speed-up", lambda r: f"{r['ttft_speedup']:.2f}x"),
+        ("mean per-turn TTFT speed-up", lambda r: f"{r['mean_turn_ttft_speedup']:.2f}x"),
+        ("throughput", lambda r: f"{r['throughput_tok_s']:.1f} tok/s ({r['throughput_gain']:.2f}x)"),
+        ("rebuild", lambda r: f"{r['rebase_s']:.2f} s"),
+        ("K/V", lambda r: f"{r['kv_mb']:.1f} MiB"),
+        ("LR per extra agent", lambda r: "-" if r["lr_per_agent_pct"] is None else f"{r['lr_per_agent_pct']:.1f}%"),
+    ]))
+    if acc:
+        print()
+        print(markdown_table(acc["rows"], [
+            ("variant", lambda r: r["variant"]), ("n", lambda r: str(r["n"])),
+            ("plan skill", lambda r: f"{r['plan_pct']:.1f}%"), ("act accuracy", lambda r: f"{r['act_pct']:.1f}%"),
+            ("reflect skill", lambda r: f"{r['reflect_pct']:.1f}%"),
+            ("answer = nonshared", lambda r: f"{r['agree_pct']:.1f}%"),
+            ("act TTFT", lambda r: f"{r['act_ttft_s'] * 1000:.0f} ms"),
+            ("reflect TTFT", lambda r: f"{r['reflect_ttft_s'] * 1000:.0f} ms"),
+        ]))
+    print(f"\nwrote {args.out / 'base_lr.json'} and {args.out / 'base_lr.png'} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
