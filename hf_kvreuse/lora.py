@@ -59,6 +59,8 @@ class LRState:
     rows: list[Row]
     store: LRStore
     split: LoraSplit
+    #: queries above this count use a transient V_base + s·L·B with the fused kernel (None: always low-rank)
+    lowrank_max_queries: int | None = 16
     positions_cache: dict = field(default_factory=dict)
 
 
@@ -249,6 +251,32 @@ def _row_terms(state: LRState, layer: int, kind: str, length: int, like: torch.T
     return torch.cat(Ls, 0), torch.stack(Bs, 0), like.new_tensor(ss)
 
 
+def lowrank_attention(query, key, value, L, Bw, s, attention_mask, scaling: float) -> torch.Tensor:
+    """``P·V_base + s·(P·L)·B`` with ``P = softmax(Q K^T·scaling + mask)``, per-agent values never formed.
+
+    Shapes: query ``[B, H, q, D]``, key/value ``[B, Hkv, T, D]``, ``L [B, T, r]``, ``Bw [B, Hkv·D, r]``, ``s [B]``;
+    the mask is sdpa's (bool, True = visible) or eager's (additive float), or None. Query heads are packed per
+    KV group, so K, V and L are read once per group (no ``repeat_kv`` copies). Returns ``[B, q, H, D]``.
+    """
+    B, H, q, D = query.shape
+    Hkv, T, r = key.shape[1], key.shape[2], L.shape[-1]
+    g = H // Hkv
+    qp = query.reshape(B, Hkv, g * q, D)
+    w = torch.matmul(qp, key.transpose(-1, -2)).float() * scaling  # [B, Hkv, g·q, T]
+    if attention_mask is None and q > 1:  # sdpa's "is_causal" case: the queries are the last q positions
+        pos = torch.arange(T, device=query.device)
+        attention_mask = (pos[None, :] <= pos[T - q:, None])[None, None]
+    if attention_mask is not None:
+        m = attention_mask[..., -q:, :T]
+        m = m.expand(m.shape[0], 1, q, T)[:, :, None].expand(-1, 1, g, q, T).reshape(m.shape[0], 1, g * q, T)
+        w = w.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else w + m.float()
+    p = torch.softmax(w, dim=-1).to(value.dtype)
+    o = torch.matmul(p, value).view(B, Hkv, g, q, D)
+    pl = torch.matmul(p, L[:, None]).view(B, Hkv, g, q, r)  # P·L: L is shared by every KV head
+    o = o + torch.einsum("bkgqr,bkdr->bkgqd", pl, Bw.view(B, Hkv, D, r)) * s.view(B, 1, 1, 1, 1)
+    return o.reshape(B, H, q, D).transpose(1, 2).contiguous()
+
+
 def lora_attention(base_fn: Callable) -> Callable:
     """Wrap an attention function (sdpa / eager) so the active state's LR terms enter keys and values."""
 
@@ -269,13 +297,15 @@ def lora_attention(base_fn: Callable) -> Callable:
         if vterms is None:
             return base_fn(module, query, key, value, attention_mask, **kwargs)
         L, Bw, s = vterms
-        r = L.shape[-1]
-        value_cat = torch.cat([value, L[:, None].expand(B, Hkv, T, r)], dim=-1)
-        out, weights = base_fn(module, query, key, value_cat, attention_mask, **kwargs)  # [B, q, H, D + r]
-        H = out.shape[2]
-        Bh = Bw.view(B, Hkv, D, r).repeat_interleave(H // Hkv, dim=1)  # per query head: its kv group's B rows
-        o = out[..., :D] + torch.einsum("bqhr,bhdr->bqhd", out[..., D:], Bh) * s[:, None, None, None]
-        return o.contiguous(), weights
+        limit = state.lowrank_max_queries
+        if limit is not None and query.shape[2] > limit:
+            # Long prefills: the fused sdpa kernels need equal key / value widths, and the low-rank form runs
+            # 3-5x slower on CPU; a transient V_base + s·L·B (one layer, freed at once) keeps the fused path.
+            v_agent = value + ((L @ Bw.transpose(1, 2)) * s[:, None, None]).view(B, T, Hkv, D).transpose(1, 2)
+            return base_fn(module, query, key, v_agent, attention_mask, **kwargs)
+        scaling = kwargs.get("scaling")
+        scaling = scaling if scaling is not None else D ** -0.5
+        return lowrank_attention(query, key, value, L, Bw, s, attention_mask, scaling), None
 
     return attention
 
@@ -289,26 +319,12 @@ def register_attention(base_name: str) -> str:
     name = ATTN_PREFIX + base_name
     if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
         if base_name == "eager":
-            base_fn = _eager_attention
+            from transformers.models.llama.modeling_llama import eager_attention_forward as base_fn
         else:
             base_fn = ALL_ATTENTION_FUNCTIONS._global_mapping[base_name]
         AttentionInterface.register(name, lora_attention(base_fn))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base_name])
     return name
-
-
-def _eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain softmax attention (the Llama-family eager path) for value widths other than the key width."""
-    n_rep = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(n_rep, dim=1)
-    value = value.repeat_interleave(n_rep, dim=1)
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    w = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        w = w + attention_mask[:, :, :, : key.shape[-2]]
-    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(w, value).transpose(1, 2).contiguous()
-    return out, w
 
 
 def mixed_adapter_hooks(peft_model, adapter_names: list[str], skip: list[nn.Module]) -> list:

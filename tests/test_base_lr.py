@@ -249,6 +249,30 @@ def test_alongside_equals_after_turn(pm):
     assert db.stats.turns[-1].rebase_tokens == 0 and lp.stats.turns[-1].rebase_tokens > 0
 
 
+@pytest.mark.parametrize("limit", [None, 0])
+def test_lowrank_and_transient_value_paths_agree(pm, limit):
+    """Always low-rank (P·V + s·(P·L)·B) or always the transient V + s·L·B: same tokens, same logits."""
+    outs = []
+    for lim in (16, limit):
+        cache = BaseLRCache(pm, method="prelrshared", lowrank_max_queries=lim)
+        outs.append(run_trace(pm, cache, TRACE)[-1])
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_lowrank_attention_equals_materialised_values():
+    from hf_kvreuse.lora import lowrank_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, q, T, D, r = 2, 6, 2, 5, 11, 8, 3
+    Q, K, V = (torch.randn(B, n, t, D, generator=g) for n, t in ((H, q), (Hkv, T), (Hkv, T)))
+    L, Bw, s = torch.randn(B, T, r, generator=g), torch.randn(B, Hkv * D, r, generator=g), torch.tensor([0.5, 2.0])
+    V_agent = V + ((L @ Bw.transpose(1, 2)) * s[:, None, None]).view(B, T, Hkv, D).transpose(1, 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        Q, K.repeat_interleave(H // Hkv, 1), V_agent.repeat_interleave(H // Hkv, 1),
+        attn_mask=torch.ones(q, T, dtype=torch.bool).tril(T - q)).transpose(1, 2)
+    torch.testing.assert_close(lowrank_attention(Q, K, V, L, Bw, s, None, D ** -0.5), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_eager_attention_matches_sdpa():
     outs = []
     for attn in ("sdpa", "eager"):

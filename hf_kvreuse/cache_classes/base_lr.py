@@ -88,6 +88,12 @@ class BaseLRCache(KVReuseCache):
     agent : str, optional
         Fix the agent for every turn; by default each ``generate`` call uses the model's active peft adapter
         (``pm.set_adapter(name)``), or no adapter inside ``with pm.disable_adapter():``.
+    lowrank_max_queries : int or None
+        Forwards with at most this many new tokens (decode steps, short prefills) attend in the low-rank form
+        ``P·V_base + s·(P·L_a)·B_a``. Longer prefills add a transient ``s·L_a·B_a`` (one layer at a time, never
+        cached) to the values so the fused sdpa kernel runs: on CPU the low-rank form, whose value width
+        ``D + r`` differs from the key width, falls back to a 3-5x slower attention. ``None``: always
+        low-rank; ``0``: always the transient sum. Both are exact.
 
     Notes
     -----
@@ -96,7 +102,8 @@ class BaseLRCache(KVReuseCache):
     ``stats.turns`` records per turn what was cached, prefilled and rebuilt; :meth:`kv_bytes` the memory.
     """
 
-    def __init__(self, model, method: str = "prelrshared", schedule: str = "after_turn", agent: str | None = None):
+    def __init__(self, model, method: str = "prelrshared", schedule: str = "after_turn", agent: str | None = None,
+                 lowrank_max_queries: int | None = 16):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if schedule not in SCHEDULES:
@@ -107,6 +114,7 @@ class BaseLRCache(KVReuseCache):
         super().__init__(model)
         enable(model)
         self.method, self.schedule = method, schedule
+        self.lowrank_max_queries = lowrank_max_queries
         self.adapters: tuple[str, ...] = tuple(model.peft_config)
         if agent is not None:
             self._check_agent(agent)
@@ -213,7 +221,8 @@ class BaseLRCache(KVReuseCache):
         self._install(rows)
 
     def _install(self, rows: list[Row]) -> None:
-        self._state = LRState(rows=rows, store=self.store, split=self.split)
+        self._state = LRState(rows=rows, store=self.store, split=self.split,
+                              lowrank_max_queries=self.lowrank_max_queries)
         self.split.install()
         cfg = self.model.config
         if self._saved_attn is None:
@@ -298,7 +307,8 @@ class BaseLRCache(KVReuseCache):
         self._crop_base(start)
         others = tuple(a for a in self.adapters if a != self._turn_agent)
         self.store.crop(start, adapters=list(others))
-        self._state = LRState(rows=[Row(None, others)], store=self.store, split=self.split)
+        self._state = LRState(rows=[Row(None, others)], store=self.store, split=self.split,
+                              lowrank_max_queries=self.lowrank_max_queries)
         from ..generation.mixin import _generation_target
 
         target = _generation_target(self.model)
