@@ -34,6 +34,7 @@ import transformers
 import hf_kvreuse
 from hf_kvreuse import BaseLRCache, TokenTimer
 from hf_kvreuse import react
+from hf_kvreuse.react import react_stop
 from hf_kvreuse.datasets import passages_for, squad
 from hf_kvreuse.timing import now
 
@@ -146,7 +147,7 @@ def accuracy(pm, tok, items, args) -> dict:
                 timer = TokenTimer()
                 timer.start()
                 out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new, do_sample=False,
-                                  stop_strings=["]"], tokenizer=tok, streamer=timer)
+                                  stopping_criteria=react_stop(tok, ids.shape[1]), streamer=timer)
                 if key:
                     rec[f"{key}_ttft_s"] = timer.ttft_s
                 return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -13,6 +13,7 @@ import torch
 
 import hf_kvreuse
 from hf_kvreuse import BaseLRCache, TokenTimer, react
+from hf_kvreuse.react import react_stop
 from hf_kvreuse.datasets import passages_for, squad
 
 
@@ -35,7 +36,7 @@ def main() -> None:
             timer = TokenTimer()
             timer.start()
             out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new, do_sample=False,
-                              stop_strings=["]"], tokenizer=tok, streamer=timer)
+                              stopping_criteria=react_stop(tok, ids.shape[1]), streamer=timer)
             st = cache.stats.last
             line.append(f"{agent}: prefilled {st.prefill_tokens:4d} tok, TTFT {timer.ttft_s * 1000:6.0f} ms")
             return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

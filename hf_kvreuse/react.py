@@ -1,0 +1,259 @@
+"""ReAct-style QA episodes over SQuAD for the plan / act / reflect role adapters (PReCache / AutoAct setting).
+
+Three agents extend one plain-text scratchpad (no chat template)::
+
+    <INSTRUCTION>
+    Question: <question>
+    Thought: I need to retrieve passages about <topic>.        <- plan
+    Action: Retrieve[<topic>]                                  <- plan
+    Observation: <passage>\\n<passage>...
+    Thought: The observation contains the answer.
+    Action: Finish[<answer>]                                   <- act writes "<answer>]"
+    Reflect[right]                                             <- reflect ("right" / "wrong")
+
+``<topic>`` is the SQuAD article title with spaces (``Super Bowl 50``). Each role's prompt is an exact prefix of
+the episode, so the agents share the scratchpad text and differ only in the weights that produce their tokens.
+Role adapters are LoRA (rank 8, ``v_proj`` only, as in PReCache) on SmolLM2-135M-Instruct; they are made by
+``scripts/train_role_adapters.py`` and loaded with :func:`load_role_adapters`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .compat import cache_kwargs
+from .datasets import SquadItem, contains_answer, normalize_answer
+
+INSTRUCTION = ("Answer the question with tools. Retrieve[topic] returns passages about the topic, "
+               "Finish[answer] gives the final short answer, Reflect[right] or Reflect[wrong] judges the final "
+               "answer.\n")
+ROLES = ("plan", "act", "reflect")
+ACT_THOUGHT = "Thought: The observation contains the answer.\n"
+# Held-out articles: every 8th title in sorted order (offset 5), fixed so that benchmarks, tests and the training
+# script agree; 128 of the 1000 SQuAD items.
+EVAL_TITLES = ("Chloroplast", "Force", "Imperialism", "Normans", "Sky_(United_Kingdom)",
+               "Victoria_and_Albert_Museum")
+ROLE_ADAPTERS_DIR = Path(__file__).parent / "adapters" / "smollm2_roles"
+# Generation budgets per role: enough for the longest target (plan: ~30 tokens for the longest title).
+MAX_NEW_TOKENS = {"plan": 40, "act": 24, "reflect": 12}
+
+
+@dataclass(frozen=True)
+class RoleExample:
+    """One role turn: the scratchpad prefix the agent sees and the text it should write next."""
+
+    prompt: str
+    target: str
+
+
+def topic(item: SquadItem) -> str:
+    """The retrieval topic of ``item``: its article title with spaces (``Fresno, California``)."""
+    return item.title.replace("_", " ")
+
+
+def split_items(items: Sequence[SquadItem]) -> tuple[list[SquadItem], list[SquadItem]]:
+    """(train, eval) items: eval holds every item whose article is in :data:`EVAL_TITLES`."""
+    held = set(EVAL_TITLES)
+    return [it for it in items if it.title not in held], [it for it in items if it.title in held]
+
+
+def observation_passages(item: SquadItem, items: Sequence[SquadItem], n_passages: int = 1,
+                         rng: random.Random | None = None) -> list[str]:
+    """``item``'s passage among ``n_passages - 1`` other passages of the same article (distractors that share the
+    topic), at a random position. For ~1k-token observations use :func:`hf_kvreuse.datasets.passages_for`."""
+    rng = rng or random.Random(0)
+    others = sorted({it.passage for it in items if it.title == item.title} - {item.passage})
+    passages = rng.sample(others, min(n_passages - 1, len(others)))
+    passages.insert(rng.randint(0, len(passages)), item.passage)
+    return passages
+
+
+def format_observation(passages: Sequence[str] | str) -> str:
+    """The observation text: one passage per line."""
+    return passages if isinstance(passages, str) else "\n".join(p.replace("\n", " ") for p in passages)
+
+
+def _question(item: SquadItem) -> str:
+    return f"{INSTRUCTION}Question: {item.question}\n"
+
+
+def _plan_turn(item: SquadItem) -> str:
+    return f"Thought: I need to retrieve passages about {topic(item)}.\nAction: Retrieve[{topic(item)}]\n"
+
+
+def _act_prefix(item: SquadItem, passages: Sequence[str] | str) -> str:
+    return (f"{_question(item)}{_plan_turn(item)}Observation: {format_observation(passages)}\n"
+            f"{ACT_THOUGHT}Action: Finish[")
+
+
+def plan_example(item: SquadItem) -> RoleExample:
+    """The plan turn: after the question, write the thought and ``Action: Retrieve[<topic>]``."""
+    return RoleExample(_question(item), _plan_turn(item))
+
+
+def act_example(item: SquadItem, passages: Sequence[str] | str, answer: str | None = None) -> RoleExample:
+    """The act turn: after ``Action: Finish[``, write the answer span and ``]`` (default answer: the first gold)."""
+    return RoleExample(_act_prefix(item, passages), f"{item.answers[0] if answer is None else answer}]\n")
+
+
+def reflect_example(item: SquadItem, passages: Sequence[str] | str, candidate: str) -> RoleExample:
+    """The reflect turn: after ``Action: Finish[<candidate>]``, write ``Reflect[right]`` or ``Reflect[wrong]``."""
+    verdict = "right" if is_right(candidate, item) else "wrong"
+    return RoleExample(f"{_act_prefix(item, passages)}{candidate}]\n", f"Reflect[{verdict}]\n")
+
+
+def episode(item: SquadItem, passages: Sequence[str] | str, candidate: str | None = None) -> str:
+    """The whole scratchpad with ``candidate`` (default: the first gold answer) and its reflect verdict."""
+    ex = reflect_example(item, passages, item.answers[0] if candidate is None else candidate)
+    return ex.prompt + ex.target
+
+
+def is_right(candidate: str, item: SquadItem) -> bool:
+    """The reflect label: ``candidate`` contains a gold answer (the same lenient rule as the act check)."""
+    return contains_answer(candidate, item.answers)
+
+
+def wrong_candidate(item: SquadItem, items: Sequence[SquadItem], rng: random.Random | None = None) -> str:
+    """A plausible wrong answer: the answer to another question about the same article.
+
+    Candidates that contain, or are contained in, a gold answer are skipped so that the label is unambiguous.
+    """
+    rng = rng or random.Random(0)
+    gold = [normalize_answer(a) for a in item.answers]
+
+    def ok(c: str) -> bool:
+        n = normalize_answer(c)
+        return bool(n) and not is_right(c, item) and not any(n in g for g in gold)
+
+    for pool in ([it for it in items if it.title == item.title], list(items)):
+        cands = sorted({it.answers[0] for it in pool if it.question != item.question and ok(it.answers[0])})
+        if cands:
+            return rng.choice(cands)
+    raise ValueError("no wrong candidate found")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsers and skill checks. They accept either the generated continuation alone or the whole scratchpad text.
+
+def parse_retrieve(text: str) -> str | None:
+    """The query of the first ``Retrieve[...]`` action, or None."""
+    m = re.search(r"Retrieve\[([^\]\n]*)\]", text)
+    return m.group(1).strip() if m else None
+
+
+def parse_finish(text: str) -> str:
+    """The Finish argument: after the last ``Finish[`` if present (else from the start, as the act continuation
+    starts inside the bracket), up to ``]`` or the end of the line."""
+    i = text.rfind("Finish[")
+    if i >= 0:
+        text = text[i + len("Finish["):]
+    return re.split(r"[\]\n]", text, maxsplit=1)[0].strip()
+
+
+def parse_reflect(text: str) -> str | None:
+    """``"right"`` or ``"wrong"`` from the first ``Reflect[...]``, or None."""
+    m = re.search(r"Reflect\[(right|wrong)\]", text)
+    return m.group(1) if m else None
+
+
+def _norm_topic(s: str) -> str:
+    return normalize_answer(s.replace("_", " "))
+
+
+def check_plan(text: str, item: SquadItem) -> bool:
+    """The Retrieve query equals the article title (normalised, underscores as spaces)."""
+    q = parse_retrieve(text)
+    return q is not None and _norm_topic(q) == _norm_topic(item.title)
+
+
+def check_act(text: str, item: SquadItem) -> bool:
+    """The Finish argument contains a gold answer (lenient extractive accuracy); an empty answer never counts."""
+    return contains_answer(parse_finish(text), item.answers)
+
+
+def check_reflect(text: str, right: bool) -> bool:
+    """The verdict matches the label; no verdict counts as wrong."""
+    return parse_reflect(text) == ("right" if right else "wrong")
+
+
+def names_topic(item: SquadItem) -> bool:
+    """The question itself names the article title; plan can only recover an unseen title from such questions."""
+    return f" {_norm_topic(item.title)} " in f" {normalize_answer(item.question)} "
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation and adapters.
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 24, stop: str = "]") -> str:
+    """Greedy continuation of ``prompt`` (no special tokens), cut after the first ``stop``.
+
+    Greedy decoding with a KV cache, stopping as soon as ``stop`` appears, keeps evaluation cheap on CPU.
+    """
+    from transformers import DynamicCache
+
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
+    cache = DynamicCache(config=model.config)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache)).logits
+        nxt = int(logits[0, -1].argmax())
+        if nxt == tokenizer.eos_token_id:
+            break
+        out.append(nxt)
+        text = tokenizer.decode(out)
+        if stop and stop in text:
+            return text[:text.index(stop) + len(stop)]
+        ids = torch.tensor([[nxt]], device=model.device)
+    return tokenizer.decode(out)
+
+
+def role_lora_config():
+    """The PReCache role-adapter LoRA: rank 8, alpha 16, on ``v_proj`` only (K stays adapter-free)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj"], task_type="CAUSAL_LM")
+
+
+def load_role_adapters(model, path: str | Path | None = None):
+    """Load the ``plan``, ``act`` and ``reflect`` adapters onto ``model`` (mutated in place by peft).
+
+    Parameters
+    ----------
+    model : the base SmolLM2-135M-Instruct (``hf_kvreuse.load_smollm2()[0]``).
+    path : folder with one ``PeftModel.save_pretrained`` subfolder per role (default :data:`ROLE_ADAPTERS_DIR`).
+
+    Returns
+    -------
+    peft.PeftModel in eval mode with ``plan`` active; switch with ``set_adapter(role)``, use the base model with
+    ``with pm.disable_adapter():``.
+    """
+    from peft import PeftModel
+
+    path = Path(path) if path is not None else ROLE_ADAPTERS_DIR
+    pm = PeftModel.from_pretrained(model, path / ROLES[0], adapter_name=ROLES[0])
+    for role in ROLES[1:]:
+        pm.load_adapter(path / role, adapter_name=role)
+    pm.set_adapter(ROLES[0])
+    return pm.eval()
+
+
+def react_stop(tokenizer, prompt_len: int, stop: str = "]"):
+    """A ``generate`` stopping criterion: stop once the generated text contains ``stop`` (an action closed).
+
+    Cheaper than ``stop_strings=``, which builds token tables over the whole vocabulary on every call.
+    """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = [stop in tokenizer.decode(row[prompt_len:]) for row in input_ids]
+            return torch.tensor(done, device=input_ids.device)
+
+    return StoppingCriteriaList([_Stop()])
