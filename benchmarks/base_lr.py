@@ -34,7 +34,6 @@ import transformers
 import hf_kvreuse
 from hf_kvreuse import BaseLRCache, TokenTimer
 from hf_kvreuse import react
-from hf_kvreuse.react import react_stop
 from hf_kvreuse.datasets import passages_for, squad
 from hf_kvreuse.timing import now
 
@@ -142,15 +141,10 @@ def accuracy(pm, tok, items, args) -> dict:
             rec = dict(item=i)
 
             def turn(agent, prompt, max_new, key=None):
-                ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-                pm.set_adapter(agent)
-                timer = TokenTimer()
-                timer.start()
-                out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new, do_sample=False,
-                                  stopping_criteria=react_stop(tok, ids.shape[1]), streamer=timer)
+                text, ttft = react.agent_turn(pm, tok, cache, agent, prompt, max_new)
                 if key:
-                    rec[f"{key}_ttft_s"] = timer.ttft_s
-                return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                    rec[f"{key}_ttft_s"] = ttft
+                return text
 
             plan_text = turn("plan", react.plan_example(item).prompt, react.MAX_NEW_TOKENS["plan"])
             turn("plan", read_prompt, 8, key="read")  # plan reads the long observation (its thought is not kept)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 import hf_kvreuse
-from hf_kvreuse import BaseLRCache, TokenTimer, react
-from hf_kvreuse.react import react_stop
+from hf_kvreuse import BaseLRCache, react
 from hf_kvreuse.datasets import passages_for, squad
 
 
@@ -31,15 +30,9 @@ def main() -> None:
         line = []
 
         def turn(agent: str, prompt: str, max_new: int) -> str:
-            ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            pm.set_adapter(agent)
-            timer = TokenTimer()
-            timer.start()
-            out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new, do_sample=False,
-                              stopping_criteria=react_stop(tok, ids.shape[1]), streamer=timer)
-            st = cache.stats.last
-            line.append(f"{agent}: prefilled {st.prefill_tokens:4d} tok, TTFT {timer.ttft_s * 1000:6.0f} ms")
-            return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            text, ttft = react.agent_turn(pm, tok, cache, agent, prompt, max_new)
+            line.append(f"{agent}: prefilled {cache.stats.last.prefill_tokens:4d} tok, TTFT {ttft * 1000:6.0f} ms")
+            return text
 
         plan = turn("plan", react.plan_example(item).prompt, react.MAX_NEW_TOKENS["plan"])
         turn("plan", act.prompt[: act.prompt.rindex(react.ACT_THOUGHT)], 8)  # plan reads the observation

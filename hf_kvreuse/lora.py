@@ -78,10 +78,6 @@ class LRStore:
     def get(self, kind: str, adapter: str, layer: int) -> torch.Tensor | None:
         return self.lr[kind].get(adapter, {}).get(layer)
 
-    def length(self, kind: str, adapter: str, layer: int) -> int:
-        t = self.get(kind, adapter, layer)
-        return 0 if t is None else t.shape[1]
-
     def crop(self, length: int, adapters: list[str] | None = None) -> None:
         for kind in self.lr.values():
             for adapter, per_layer in kind.items():

@@ -257,3 +257,19 @@ def react_stop(tokenizer, prompt_len: int, stop: str = "]"):
             return torch.tensor(done, device=input_ids.device)
 
     return StoppingCriteriaList([_Stop()])
+
+
+def agent_turn(pm, tokenizer, cache, agent: str, prompt: str, max_new_tokens: int) -> tuple[str, float]:
+    """One agent's turn on a shared cache: greedy, stopped after the closing ``]``.
+
+    Returns the generated text and the time to its first token (seconds).
+    """
+    from .timing import TokenTimer
+
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    pm.set_adapter(agent)
+    timer = TokenTimer()
+    timer.start()
+    out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                      stopping_criteria=react_stop(tokenizer, ids.shape[1]), streamer=timer)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), timer.ttft_s
