@@ -148,7 +148,8 @@ class LoraSplit:
                                           "(PReCache's adapters target v_proj)")
         self.rotary = find_rotary_embedding(peft_model.get_base_model())
         self.has_key_lora = any("k" in m for m in self.modules.values())
-        self._shifter = RopeShifter(self.rotary) if self.has_key_lora else None
+        # the model check decides the rotation layout from the model's own keys (refusing what it cannot match)
+        self._shifter = RopeShifter(peft_model.get_base_model()) if self.has_key_lora else None
         self._patched: list[nn.Module] = []
 
     @staticmethod

@@ -3,7 +3,11 @@
 Cached keys are stored after RoPE: ``k_p = s * R(p) k``. Rotations compose, so a key computed at position ``p``
 moves to ``p + delta`` with ``R(delta) k_p`` (METHODS.md §1.2); values carry no position and are unchanged.
 The angles come from the model's own ``rotary_emb.inv_freq`` in float32 (never a hand-written theta) and the
-YaRN/LongRoPE magnitude factor ``s`` is not applied twice. This is exact when ``inv_freq`` does not depend on
+YaRN/LongRoPE magnitude factor ``s`` is not applied twice. Two layouts exist: half-split (Llama, Qwen, Mistral:
+dimension ``i`` pairs with ``i + rot/2``) and interleaved (Cohere, GLM: ``2i`` pairs with ``2i + 1``); with
+partial rotary only the leading ``rot = 2 * len(inv_freq)`` dimensions turn. Given a model, the layout is not
+guessed from its name: :func:`hf_kvreuse.model_check.check_model` compares both layouts with keys the model's
+own forward computes at shifted positions, and refuses a model that matches neither. This is exact when ``inv_freq`` does not depend on
 the sequence length: rope types default, linear, llama3, yarn, proportional. ``dynamic`` and ``longrope``
 change ``inv_freq`` with the length (and mutate the module during forward), so they are refused.
 """
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+ROPE_LAYOUTS = ("half", "interleaved")
 
 
 class UnsupportedRopeError(ValueError):
@@ -51,13 +56,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved counterpart of :func:`rotate_half`: ``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
 class RopeShifter:
     """Re-positions post-RoPE keys of one model.
 
     Parameters
     ----------
     model : nn.Module
-        A transformers causal LM (or its rotary module) with half-split RoPE (Llama, Qwen2/3, Mistral, ...).
+        A transformers causal LM (its layout is then taken from the model check, which refuses models whose
+        keys the shift does not reproduce), or its rotary module (then ``layout`` is trusted as given).
+    layout : {"half", "interleaved"}, optional
+        Rotation layout; default: the model check's finding for a model, "half" for a bare rotary module.
 
     Examples
     --------
@@ -65,20 +79,32 @@ class RopeShifter:
     >>> keys_at_new_positions = shifter.shift(keys, delta)      # keys [B, H, T, D], delta int or [T] / [B, T]
     """
 
-    def __init__(self, model: nn.Module):
-        rot = model if hasattr(model, "inv_freq") else find_rotary_embedding(model)
+    def __init__(self, model: nn.Module, layout: str | None = None):
+        if hasattr(model, "inv_freq"):
+            rot = model
+        else:
+            if layout is None:
+                from .model_check import require
+
+                layout = require(model, rope=True, who="RopeShifter").rope_layout
+            rot = find_rotary_embedding(model)
+        layout = layout or "half"
+        if layout not in ROPE_LAYOUTS:
+            raise ValueError(f"layout={layout!r}: choose one of {ROPE_LAYOUTS}")
         rope_type = getattr(rot, "rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             check_rope_supported(rot)
         # A frozen float32 copy: the module's buffer may be in bf16 or mutated by dynamic variants.
         self.inv_freq = rot.inv_freq.detach().float().clone()
         self.rope_type = rope_type
+        self.layout = layout
+        self.rotary_dim = 2 * self.inv_freq.numel()
 
     def cos_sin(self, delta: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of ``delta * inv_freq`` in float32, shape ``[..., rot_dim]``."""
         inv = self.inv_freq.to(device)
         ang = delta.to(device=device, dtype=torch.float32)[..., None] * inv
-        ang = torch.cat((ang, ang), dim=-1)
+        ang = torch.cat((ang, ang), dim=-1) if self.layout == "half" else ang.repeat_interleave(2, dim=-1)
         return ang.cos(), ang.sin()
 
     def shift(self, keys: torch.Tensor, delta: int | torch.Tensor,
@@ -102,7 +128,7 @@ class RopeShifter:
         rot_dim = cos.shape[-1]
         k = keys.float()
         k_rot, k_pass = k[..., :rot_dim], k[..., rot_dim:]  # partial rotary: only the first rot_dim dims turn
-        k_rot = k_rot * cos + rotate_half(k_rot) * sin
+        k_rot = k_rot * cos + (rotate_half(k_rot) if self.layout == "half" else rotate_pairs(k_rot)) * sin
         return torch.cat((k_rot, k_pass), dim=-1).to(keys.dtype) if rot_dim < D else k_rot.to(keys.dtype)
 
 

@@ -29,9 +29,18 @@ class KVReuseCache(DynamicCache):
     ----------
     model : PreTrainedModel
         The model this cache is built for; its config sizes the layers from the start (HF_API.md F5).
+        It is probed once (:func:`hf_kvreuse.model_check.check_model`) for the mechanisms the cache class
+        relies on (:attr:`requires`); a model whose own code disagrees with them is refused here.
     """
 
+    #: which probes of :func:`hf_kvreuse.model_check.require` this cache class relies on
+    requires: dict = {"rope": True, "engine": True}
+    #: every generate runs this cache's hooks (True for caches that manage whole trajectories themselves)
+    multi_turn: bool = False
+
     def __init__(self, model, **kwargs):
+        from ..model_check import require
+
         super().__init__(config=model.config, **kwargs)
         if any(self.is_sliding):
             raise ValueError(f"models with sliding-window attention layers are not supported by "
@@ -40,11 +49,16 @@ class KVReuseCache(DynamicCache):
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn!r} is not supported by {type(self).__name__}: partial "
                              "recompute needs a 4D position mask; load the model with 'sdpa' or 'eager'")
+        if self.requires:
+            self.model_check = require(model, who=type(self).__name__, **self.requires)
         self.model = model
         self.logical_offset = 0
         self.stats: Any = {}
         self.input_ids: torch.Tensor | None = None
-        self._used = False
+        # "new": not used yet; "active": inside its first generate; "done": a plain exact-from-here DynamicCache
+        # whose K/V stand for ``token_ids``; "failed": its first generate raised (build a new one)
+        self.phase = "new"
+        self.token_ids = torch.empty(1, 0, dtype=torch.long)
 
     def set_target(self, input_ids: torch.Tensor) -> None:
         """Record the prompt this cache is built for (``generate`` must be called with exactly these ids)."""
@@ -54,10 +68,23 @@ class KVReuseCache(DynamicCache):
         self.input_ids = input_ids.to(next(self.model.parameters()).device)
 
     def begin_generate(self, model, input_ids, generate_kwargs: dict) -> None:
-        """Refuse ``generate`` calls whose result would silently be wrong; mark the cache used."""
+        """Refuse ``generate`` calls whose result would silently be wrong; mark the cache active."""
         name = type(self).__name__
-        if self._used:
-            raise RuntimeError(f"a {name} serves one generate call; build a new one for the next prompt")
+        if self.phase == "failed":
+            raise RuntimeError(f"the first generate with this {name} failed; build a new cache")
+        if self.phase == "active":
+            raise RuntimeError(f"this {name} is already in use by a running generate call")
+        self.check_call(model, input_ids, generate_kwargs)
+        if self.input_ids is None:
+            self.set_target(input_ids)
+        elif not torch.equal(input_ids.to(self.input_ids.device), self.input_ids):
+            raise ValueError(f"generate was called with different input_ids than the {name} was built for "
+                             "(pass the full prompt, not only a suffix)")
+        self.phase = "active"
+
+    def check_call(self, model, input_ids, generate_kwargs: dict) -> None:
+        """The checks every ``generate`` with this cache passes (first call and continuations alike)."""
+        name = type(self).__name__
         from ..generation.mixin import _generation_target
 
         if _generation_target(model) is not _generation_target(self.model):
@@ -67,9 +94,6 @@ class KVReuseCache(DynamicCache):
             raise ValueError("call generate with the prompt ids the cache was built for (input_ids=...)")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"{name} supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
-        if self.input_ids is not None and not torch.equal(input_ids.to(self.input_ids.device), self.input_ids):
-            raise ValueError(f"generate was called with different input_ids than the {name} was built for "
-                             "(pass the full prompt, not only a suffix)")
         mask = generate_kwargs.get("attention_mask")
         if mask is not None and not bool(mask.bool().all()):
             raise ValueError(f"padded attention_mask: {name} does not support padded batches")
@@ -85,7 +109,92 @@ class KVReuseCache(DynamicCache):
                              "(no assisted, prompt-lookup or speculative decoding)")
         if getattr(cfg, "prefill_chunk_size", None):
             raise ValueError(f"prefill_chunk_size is not supported with {name}")
-        self._used = True
+
+    # -- after the first generate: an ordinary DynamicCache that continues the conversation -------------------
+    def end_generate(self, sequences: torch.Tensor | None, error: BaseException | None) -> None:
+        """Called by the mixin after :meth:`finish`: record which tokens the cache now holds."""
+        if error is not None or sequences is None:
+            self.phase = "failed" if self.phase == "active" else self.phase
+            return
+        self.phase = "done"
+        self.token_ids = sequences[:, : self.physical_length()].detach().to("cpu")
+
+    def begin_continuation(self, model, input_ids, generate_kwargs: dict) -> None:
+        """A later ``generate`` on this cache (the next turn of a chat): plain exact decoding from the cached K/V.
+
+        ``input_ids`` must repeat the conversation so far; the cache is cropped to the longest common prefix of
+        its tokens and ``input_ids`` (at most all but the last token, which generate must feed), so edited
+        histories stay exact instead of silently reusing K/V of other tokens.
+        """
+        self.check_call(model, input_ids, generate_kwargs)
+        cached = self.token_ids.to(input_ids.device)
+        m = min(cached.shape[1], input_ids.shape[1] - 1)
+        same = (cached[0, :m] == input_ids[0, :m]).long()
+        lcp = int(same.cumprod(0).sum()) if m else 0
+        if lcp < self.physical_length():
+            DynamicCache.crop(self, lcp - self.physical_length())
+        self.token_ids = self.token_ids[:, :lcp]
+        self._continuation_start = lcp
+        self.phase = "continuing"
+
+    def end_continuation(self, sequences: torch.Tensor | None, error: BaseException | None) -> None:
+        if error is not None or sequences is None:  # leave the cache as it was before the failed call
+            extra = self.physical_length() - self._continuation_start
+            if extra > 0:
+                DynamicCache.crop(self, -extra)
+        else:
+            self.token_ids = sequences[:, : self.physical_length()].detach().to("cpu")
+        self.phase = "done"
+
+    # -- the DynamicCache contract ----------------------------------------------------------------------------
+    def crop(self, max_length: int) -> None:
+        """As ``DynamicCache.crop`` (transformers' own semantics of ``max_length``); keeps ``token_ids`` in step."""
+        if self.phase == "active":
+            raise RuntimeError(f"{type(self).__name__} cannot be cropped while its first generate assembles and "
+                               "swaps it (assisted decoding and rollback are not supported)")
+        super().crop(max_length)
+        self.token_ids = self.token_ids[:, : self.physical_length()]
+
+    def _batch1_only(self, what: str, n: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.{what}: hf_kvreuse caches hold one sequence (batch size "
+                                  f"1); beam search, num_return_sequences and batch selection are not supported "
+                                  f"(got {n})")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
+            self._batch1_only("reorder_cache", beam_idx.numel())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._batch1_only("batch_repeat_interleave", repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
+            self._batch1_only("batch_select_indices", indices.numel())
+
+    def reset(self) -> None:
+        super().reset()
+        self.token_ids = self.token_ids[:, :0]
+
+    # objects that a copy of a cache shares instead of copying (the model, stores, background jobs)
+    _shared_attrs = ("model", "model_check", "donor_cache", "store", "job", "split", "_shifter")
+
+    def __deepcopy__(self, memo):
+        if self.phase in ("active", "continuing"):
+            raise RuntimeError(f"cannot copy a {type(self).__name__} while generate is using it")
+        for name in self._shared_attrs:
+            obj = getattr(self, name, None)
+            if obj is not None:
+                memo[id(obj)] = obj
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            setattr(new, key, copy.deepcopy(value, memo))
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{type(self).__name__} holds its model; it is not pickled. Save its K/V "
+                        "(hf_kvreuse.kv_of(cache)) with safetensors instead")
 
     # -- lengths -------------------------------------------------------------------------------------------
     def physical_length(self, layer_idx: int = 0) -> int:

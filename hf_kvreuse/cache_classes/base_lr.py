@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..compat import cache_kwargs
 from ..generation.mixin import enable
@@ -101,6 +102,9 @@ class BaseLRCache(KVReuseCache):
     previous output). If they do not, the cache is cropped to the common prefix, which stays exact.
     ``stats.turns`` records per turn what was cached, prefilled and rebuilt; :meth:`kv_bytes` the memory.
     """
+
+    requires: dict = {}     # no re-positioning, no partial recompute: every token is computed by the model
+    multi_turn = True       # each generate is a turn; prepare() crops to the common prefix itself
 
     def __init__(self, model, method: str = "prelrshared", schedule: str = "after_turn", agent: str | None = None,
                  lowrank_max_queries: int | None = 16):
@@ -182,8 +186,26 @@ class BaseLRCache(KVReuseCache):
 
     # -- generate entry --------------------------------------------------------------------------------------
     def begin_generate(self, model, input_ids, generate_kwargs: dict) -> None:
-        self._used = False  # one cache object serves every turn of the trajectory
-        super().begin_generate(model, input_ids, generate_kwargs)
+        # one cache object serves every turn of the trajectory: no target ids, no single-use phase
+        if self.phase == "active":
+            raise RuntimeError("this BaseLRCache is already in use by a running generate call")
+        self.check_call(model, input_ids, generate_kwargs)
+        self.phase = "active"
+
+    def end_generate(self, sequences, error) -> None:
+        self.phase = "done"  # finish() recorded the tokens (or restored the cache after a failed turn)
+
+    def crop(self, max_length: int) -> None:
+        """``DynamicCache.crop`` that keeps the low-rank store and the token record consistent with the K/V."""
+        if self.phase == "active":
+            raise RuntimeError("BaseLRCache cannot be cropped during generate")
+        DynamicCache.crop(self, max_length)
+        n = self.physical_length()
+        if self.shared:
+            self.store.crop(n)
+            self.token_ids = self.token_ids[:, :n]
+        elif self._turn_agent in self._agent_tokens:  # nonshared: self.layers are the last turn's agent's cache
+            self._agent_tokens[self._turn_agent] = self._agent_tokens[self._turn_agent][:, :n]
 
     def prepare(self, model, input_ids, generate_kwargs) -> None:
         self.begin_generate(model, input_ids, generate_kwargs)

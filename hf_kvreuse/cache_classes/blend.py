@@ -39,6 +39,8 @@ class BlendCache(BlockReuseCache):
     Other parameters are those of :class:`~hf_kvreuse.cache_classes.block_reuse.BlockReuseCache`.
     """
 
+    requires = {"rope": True, "engine": True, "layers": True}  # layer-wise: drives the decoder layers itself
+
     def __init__(self, model, input_ids, blocks, store=None, block_prefix_ids=None, recompute_ratio: float = 0.15,
                  check_layer: int = 1, deviation: Literal["values", "keys"] = "values"):
         if not 0.0 <= recompute_ratio <= 1.0:

@@ -84,7 +84,7 @@ class BlockReuseCache(KVReuseCache):
 
         super().__init__(model)
         enable(model)
-        self._shifter = RopeShifter(model)
+        self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
         self.set_target(input_ids)
         blocks = list(blocks)
         if all(isinstance(b, torch.Tensor) for b in blocks):

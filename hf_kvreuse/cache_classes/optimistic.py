@@ -28,7 +28,7 @@ from transformers import Cache
 
 from ..alignment import Alignment, align_token_ids
 from ..compat import cache_kwargs
-from ..generation.background import BackgroundPrefill
+from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.partial import partial_forward
 from ..kv import empty_kv, kv_length, kv_of, load_kv
 from ..rope import RopeShifter
@@ -72,8 +72,9 @@ class OptimisticCache(KVReuseCache):
     model : PreTrainedModel
         Causal LM with RoPE of a type that can be re-positioned (default, linear, llama3, yarn). It is passed to
         :func:`hf_kvreuse.enable` (in place, idempotent).
-    input_ids : LongTensor ``[1, N]``
-        The target prompt; ``generate`` must be called with exactly these ids.
+    input_ids : LongTensor ``[1, N]``, optional
+        The target prompt; ``generate`` must be called with exactly these ids. ``None``: the prompt is taken from
+        the ``generate`` call.
     donor_cache : transformers Cache
         A cache of the same model over ``donor_ids`` (e.g. ``out.cache`` of the previous ``generate`` with
         ``return_dict_in_generate=True``). Read, never modified.
@@ -104,7 +105,7 @@ class OptimisticCache(KVReuseCache):
         "cancel" stops the background job and leaves the optimistic cache (``stats.exact`` is False).
     """
 
-    def __init__(self, model, input_ids: torch.Tensor, donor_cache: Cache, donor_ids: torch.Tensor, *,
+    def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache, donor_ids: torch.Tensor, *,
                  max_optimistic_tokens: int | None = 16, record_divergence: bool = True, min_span: int = 4,
                  background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
                  background_chunk_tokens: int | None = None, background_threads: int | None = None,
@@ -113,8 +114,9 @@ class OptimisticCache(KVReuseCache):
 
         super().__init__(model)
         enable(model)
-        self._shifter = RopeShifter(model)  # raises UnsupportedRopeError for dynamic / longrope
-        self.set_target(input_ids)
+        self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
+        if input_ids is not None:
+            self.set_target(input_ids)
         self.donor_cache, self.donor_ids = donor_cache, as_batch1(donor_ids, "donor_ids")
         if max_optimistic_tokens is not None and max_optimistic_tokens < 0:
             raise ValueError("max_optimistic_tokens must be >= 0 or None")
@@ -132,6 +134,8 @@ class OptimisticCache(KVReuseCache):
         self.stats = OptimisticStats()
         self.alignment: Alignment | None = None
         self.job: BackgroundPrefill | None = None
+        self._budget = None
+        self._threads_lowered = False
         self._donor_len = self._check_donor()
 
     # -- generate entry --------------------------------------------------------------------------------------
@@ -141,14 +145,20 @@ class OptimisticCache(KVReuseCache):
         self._forwards = 0
         self._swapped = False
         self._replay = None
-        self._fg_threads = torch.get_num_threads()
         self._threads_lowered = False
         n = self.input_ids.shape[1]
         on_cuda = self.input_ids.device.type == "cuda"
+        synchronous = self.max_optimistic_tokens == 0
+        self._budget = None
+        if not on_cuda and not synchronous:
+            # the worker's thread count changes the process default too: ThreadBudget puts it back at finish
+            self._budget = ThreadBudget.acquire()
+        baseline, running = self._budget or (torch.get_num_threads(), 1)
+        self._fg_threads = baseline
         self.job = BackgroundPrefill(
             model, self.input_ids[:, : n - 1], chunk_tokens=self.background_chunk_tokens,
-            cpu_threads=self.background_threads or self._fg_threads, max_threads=self._fg_threads,
-            synchronous=self.max_optimistic_tokens == 0)
+            cpu_threads=self.background_threads or max(1, baseline // running), max_threads=baseline,
+            synchronous=synchronous)
         if self.max_optimistic_tokens == 0:
             return  # the exact cache is built in before_forward, before the first token: plain prefill
         if self.background_start == "immediate" or (self.background_start == "auto" and on_cuda):
@@ -303,3 +313,6 @@ class OptimisticCache(KVReuseCache):
                 self.stats.background_prefill_s = job.elapsed_s
                 job._cache = None  # the cache took its tensors (or has moved on): no second copy of the prompt
             self._restore_threads()
+            if self._budget is not None:
+                self._budget = None
+                ThreadBudget.release()

@@ -1,24 +1,97 @@
 """Exact prefill off the critical path: a worker thread on CPU, a side CUDA stream (driven by a thread) on GPU.
 
 The job prefills ``input_ids`` into a fresh ``DynamicCache`` and reports readiness without blocking the
-decode loop. Pitfalls handled (HF_API.md §2.3): grad mode is thread-local, so the worker enters ``no_grad``
-itself (F8); on GPU the work is queued on a side stream that first waits for the main stream, readiness is an
+decode loop. Pitfalls handled (HF_API.md §2.3): grad mode, inference mode and autocast are thread-local, so
+the worker re-enters the caller's state (:class:`ThreadState`: grad / inference mode, autocast enabled and dtype
+per device type; the default dtype is process-wide) and computes exactly what a full prefill in the caller
+would; on GPU the work is queued on a side stream that first waits for the main stream, readiness is an
 event polled with ``query()``, and the consumer waits on that event and calls ``record_stream`` on every tensor
 it takes over, so the caching allocator does not recycle them early. An exception in the worker is kept and
 re-raised in the caller by :meth:`result` / :meth:`raise_if_failed`. ``torch.set_num_threads`` is per thread,
 so on CPU the worker sets its own intra-op thread count, and raises it between chunks once the foreground
 stops decoding and waits (:meth:`boost`): otherwise a core would idle while the caller blocks.
+``torch.set_num_threads`` also sets the count that threads created later start with, so every change goes
+through :class:`ThreadBudget`, which puts the caller's count back when the last concurrent job ends.
+
+Concurrency: several ``generate`` calls with hf_kvreuse caches may run at once in different Python threads (each
+with its own cache); they give the tokens they would give one after the other. On CPU they share the process's
+thread budget (a worker started while ``k`` jobs run gets ``1/k`` of it). One cache object serves one call at a
+time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
 
 from ..compat import cache_kwargs
 from ..kv import KV, kv_of
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """The thread-local torch state a computation depends on, captured in one thread and entered in another."""
+
+    grad: bool
+    inference: bool
+    autocast: tuple  # ((device_type, enabled, dtype), ...)
+    autocast_cache: bool
+
+    @classmethod
+    def capture(cls) -> "ThreadState":
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        return cls(grad=torch.is_grad_enabled(), inference=torch.is_inference_mode_enabled(),
+                   autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices),
+                   autocast_cache=torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def enter(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(self.inference))
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            yield
+
+
+class ThreadBudget:
+    """Process-wide bookkeeping of intra-op CPU threads while background prefills run.
+
+    The first job to start records the process's thread count (the ``baseline``); when the last running job
+    ends, the count is set back to it, for the releasing thread and for threads created later alike.
+    """
+
+    _lock = threading.Lock()
+    _active = 0
+    _baseline: int | None = None
+
+    @classmethod
+    def acquire(cls) -> tuple[int, int]:
+        """Register a job; return ``(baseline threads, jobs now running)``."""
+        with cls._lock:
+            if cls._active == 0:
+                cls._baseline = torch.get_num_threads()
+            cls._active += 1
+            return cls._baseline, cls._active
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._active -= 1
+            baseline = cls._baseline
+            if cls._active == 0:
+                cls._baseline = None
+        torch.set_num_threads(baseline)
+
+    @classmethod
+    def running(cls) -> int:
+        return cls._active
 
 
 class BackgroundPrefill:
@@ -56,6 +129,7 @@ class BackgroundPrefill:
         self._stream = None
         self.elapsed_s: float | None = None
         self.started = False
+        self.state = ThreadState.capture()  # built in the caller's thread: the worker computes as the caller would
 
     # -- worker --------------------------------------------------------------------------------------------
     def _prefill(self) -> DynamicCache:
@@ -77,7 +151,7 @@ class BackgroundPrefill:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
+            with self.state.enter(), torch.no_grad():
                 if self.on_cuda:
                     with torch.cuda.stream(self._stream):
                         self._cache = self._prefill()

@@ -11,14 +11,22 @@ the cache passed to ``generate`` (``cache=`` or the older ``past_key_values=``) 
 * every forward carrying the cache runs through ``cache.forward`` (e.g. to add a batch row);
 * after every forward (``_update_model_kwargs_for_generation``): the cache sees the outputs (timing, divergence);
 * ``generate`` exit, normal or not: the cache finishes (joins its background work, raises its errors).
+
+After its first ``generate`` a cache is an ordinary ``DynamicCache`` holding exact-from-here K/V of the prompt and
+the answer: passing it to the next ``generate`` (the next turn of a chat) runs transformers' own path, after the
+cache is cropped to the longest common prefix of the tokens it holds and the new ids.
+Arguments are bound to ``generate``'s signature first, so a positional ``generation_config`` is validated too.
 """
 
 from __future__ import annotations
 
+import copyreg
+import inspect
+
 from transformers import GenerationMixin
 
 from ..cache_classes.base import KVReuseCache
-from ..compat import CACHE_KW, find_cache
+from ..compat import CACHE_KW, CACHE_NAMES, find_cache
 
 _ENABLED: dict[type, type] = {}
 
@@ -28,20 +36,69 @@ def _find_cache(kwargs: dict) -> KVReuseCache | None:
     return cache if isinstance(cache, KVReuseCache) else None
 
 
+def _bind_generate(model, inputs, args: tuple, kwargs: dict) -> dict:
+    """All arguments of a ``generate`` call as keywords (a positional ``generation_config`` included)."""
+    sig = inspect.signature(GenerationMixin.generate)
+    try:
+        bound = sig.bind(model, inputs, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"generate(): {e}") from None
+    out = {}
+    for name, value in bound.arguments.items():
+        param = sig.parameters[name]
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError(f"generate() got {len(value)} unexpected positional arguments")
+        elif name != "self":
+            out[name] = value
+    return out
+
+
+def _one_cache_keyword(kwargs: dict) -> None:
+    """Move the cache to the keyword this release expects; refuse two different caches."""
+    given = {n: kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None}
+    if len({id(c) for c in given.values()}) > 1:
+        raise ValueError("generate() got two different caches (cache= and past_key_values=); pass one")
+    for n in CACHE_NAMES:
+        kwargs.pop(n, None)
+    if given:
+        kwargs[CACHE_KW] = next(iter(given.values()))
+
+
+_FORWARD_POSITIONALS: dict[type, list[str]] = {}
+
+
+def _forward_positionals(model) -> list[str]:
+    cls = type(model)
+    names = _FORWARD_POSITIONALS.get(cls)
+    if names is None:
+        params = inspect.signature(model.forward).parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        _FORWARD_POSITIONALS[cls] = names
+    return names
+
+
 class KVReuseGenerationMixin(GenerationMixin):
     def generate(self, inputs=None, *args, **kwargs):
+        if not args and _find_cache(kwargs) is None:
+            return super().generate(inputs, **kwargs)
+        kwargs = _bind_generate(self, inputs, args, kwargs)
+        # either keyword works on every supported release (and spares users a deprecation warning)
+        _one_cache_keyword(kwargs)
         cache = _find_cache(kwargs)
         if cache is None:
-            return super().generate(inputs, *args, **kwargs)
-        # either keyword works on every supported release (and spares users a deprecation warning)
-        other = "past_key_values" if CACHE_KW == "cache" else "cache"
-        if other in kwargs:
-            kwargs[CACHE_KW] = kwargs.pop(other)
-        input_ids = kwargs.get("input_ids", inputs)
+            return super().generate(**kwargs)
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            input_ids = kwargs.get("inputs")
+        if cache.phase == "done" and not cache.multi_turn:
+            return self._continue_generate(cache, input_ids, kwargs)
         error, out = None, None
         try:
             cache.prepare(self, input_ids, kwargs)
-            out = super().generate(inputs, *args, **kwargs)
+            out = super().generate(**kwargs)
             return out
         except BaseException as e:
             error = e
@@ -53,20 +110,40 @@ class KVReuseGenerationMixin(GenerationMixin):
                 cache.finish(sequences, error)
             except BaseException as e:  # noqa: BLE001
                 finish_error = e
+            cache.end_generate(sequences, error or finish_error)
             if finish_error is not None and error is None:
                 raise finish_error
 
+    def _continue_generate(self, cache: KVReuseCache, input_ids, kwargs: dict):
+        """A later turn on a cache whose first generate finished: transformers' own DynamicCache path."""
+        cache.begin_continuation(self, input_ids, kwargs)
+        out = None
+        try:
+            out = super().generate(**kwargs)
+            return out
+        finally:
+            cache.end_continuation(getattr(out, "sequences", out) if out is not None else None,
+                                   None if out is not None else RuntimeError("generate failed"))
+
     def __call__(self, *args, **kwargs):
         # __call__, not forward: generate validates model kwargs against forward's signature
+        if args:
+            names = _forward_positionals(self)
+            if len(args) > len(names):
+                return super().__call__(*args, **kwargs)
+            for name, value in zip(names, args):
+                if name in kwargs:
+                    raise TypeError(f"{type(self).__name__}() got multiple values for argument {name!r}")
+                kwargs[name] = value
         cache = _find_cache(kwargs)
-        if cache is None or args:
-            return super().__call__(*args, **kwargs)
+        if cache is None or (cache.phase != "active" and not cache.multi_turn):
+            return super().__call__(**kwargs)
         return cache.forward(super().__call__, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         extra = {}
         cache = find_cache(kwargs)
-        if isinstance(cache, KVReuseCache):
+        if isinstance(cache, KVReuseCache) and cache.phase == "active":
             next_sequence_length, extra = cache.before_forward(input_ids, next_sequence_length)
         inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length, **kwargs)
         inputs.update(extra)
@@ -74,9 +151,36 @@ class KVReuseGenerationMixin(GenerationMixin):
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         cache = find_cache(model_kwargs)
-        if isinstance(cache, KVReuseCache):
+        if isinstance(cache, KVReuseCache) and cache.phase == "active":
             cache.after_forward(outputs)
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # the enabled class is made at run time and cannot be found by name: pickle (and deepcopy) the model as
+        # its plain class and enable it again when it is loaded
+        state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__
+        return _new_enabled, (_plain_class(type(self)),), state
+
+
+def _plain_class(cls: type) -> type:
+    return next(c for c in cls.__mro__ if not issubclass(c, KVReuseGenerationMixin))
+
+
+def _enabled_class(cls: type) -> type:
+    new_cls = _ENABLED.get(cls)
+    if new_cls is None:
+        # same __name__/__qualname__: save_pretrained writes config.architectures from the class name
+        new_cls = type(cls.__name__, (KVReuseGenerationMixin, cls), {"__qualname__": cls.__qualname__,
+                                                                      "__module__": cls.__module__})
+        _ENABLED[cls] = new_cls
+    return new_cls
+
+
+def _new_enabled(cls: type):
+    """Unpickling: an empty instance of the enabled subclass of ``cls`` (its state is set by pickle)."""
+    obj = copyreg.__newobj__(cls, cls)
+    obj.__class__ = _enabled_class(cls)
+    return obj
 
 
 def _generation_target(model):
@@ -89,7 +193,8 @@ def _generation_target(model):
 def enable(model):
     """Mix :class:`KVReuseGenerationMixin` into ``model`` (in place, idempotent) and return ``model``.
 
-    Plain ``generate`` calls are unaffected; only hf_kvreuse caches use the hooks.
+    Plain ``generate`` calls are unaffected; only hf_kvreuse caches use the hooks. An enabled model pickles
+    and deep-copies; the copy comes back enabled.
     """
     target = _generation_target(model)
     cls = type(target)
@@ -97,13 +202,7 @@ def enable(model):
         return model
     if not isinstance(target, GenerationMixin):
         raise TypeError(f"{cls.__name__} cannot generate: hf_kvreuse needs a causal LM (e.g. AutoModelForCausalLM)")
-    new_cls = _ENABLED.get(cls)
-    if new_cls is None:
-        # same __name__/__qualname__: save_pretrained writes config.architectures from the class name
-        new_cls = type(cls.__name__, (KVReuseGenerationMixin, cls), {"__qualname__": cls.__qualname__,
-                                                                      "__module__": cls.__module__})
-        _ENABLED[cls] = new_cls
-    target.__class__ = new_cls
+    target.__class__ = _enabled_class(cls)
     return model
 
 

@@ -10,7 +10,10 @@ With ``layers=`` only a contiguous range of decoder layers runs (rows enter it a
 residual stream after the layer before the range), which is what layer-wise methods such as CacheBlend need:
 all rows through the first layers, then a selected subset through the rest. That path drives the decoder
 layers directly and supports the Llama family layout (``model.model.{embed_tokens, layers, norm,
-rotary_emb}``: Llama, Qwen2/3, Mistral).
+rotary_emb}``: Llama, Qwen2/3, Mistral). What a model's own ``forward`` does around its layers (embedding
+multipliers, per-layer extras) is not reproduced there, so :func:`hf_kvreuse.model_check.check_model` compares
+both modes with the model's own forward before any cache uses them. The scatter cache counts its writes and
+raises if a layer of the range did not store its rows exactly once.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ class _ScatterCache(DynamicCache):
     def __init__(self, config, kv: KV, rows: torch.Tensor):
         super().__init__(config=config)
         self._kv, self._rows = kv, rows
+        self.writes = [0] * len(kv)
         if len(kv) != len(self.layers):
             raise ValueError(f"KV has {len(kv)} layers, the model {len(self.layers)}")
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.writes[layer_idx] += 1
         k, v = self._kv[layer_idx]
         k.index_copy_(-2, self._rows, key_states.to(k.dtype))
         v.index_copy_(-2, self._rows, value_states.to(v.dtype))
@@ -39,6 +44,15 @@ class _ScatterCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv[layer_idx][0].shape[-2]
+
+    def check_writes(self, model, layers: range) -> None:
+        """Every layer of ``layers`` wrote its rows exactly once (else the cache would hold stale rows)."""
+        bad = {i: self.writes[i] for i in range(len(self.writes)) if self.writes[i] != (1 if i in layers else 0)}
+        if bad:
+            raise RuntimeError(f"partial recompute on {type(model).__name__}: cache writes per layer {bad} "
+                               f"(expected one write for each of layers {layers.start}..{layers.stop - 1}); this "
+                               "model's layers do not all store K/V through the cache, so recomputed rows would "
+                               "be missing")
 
 
 def position_causal_mask(row_pos: torch.Tensor, col_pos: torch.Tensor, dtype: torch.dtype,
@@ -125,6 +139,9 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
                 raise ValueError("a layer range that does not start at layer 0 needs the rows' hidden_states")
             hidden_states = base.embed_tokens(input_ids[:, rows.to(input_ids.device)])
         h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
+        cache.check_writes(model, layers)
         return base.norm(h) if layers.stop >= len(base.layers) else h
-    return model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None], attention_mask=mask,
-                 use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
+    out = model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None], attention_mask=mask,
+                use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
+    cache.check_writes(model, range(len(kv)))
+    return out

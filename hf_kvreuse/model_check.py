@@ -1,0 +1,270 @@
+"""Trust by construction: probe a model's own code once before any cache relies on it.
+
+Every cache of the library rests on three assumptions about the model, none of which an attribute name can
+guarantee:
+
+* **RoPE re-positioning** (:class:`~hf_kvreuse.rope.RopeShifter`): a key cached at position ``p`` and rotated by
+  ``R(d)`` equals the key the model itself computes at ``p + d``, in the model's rotation layout (half-split as
+  in Llama, interleaved pairs as in Cohere / GLM) and over its rotary dimensions (partial rotary);
+* **position invariance**: hidden states, values and the RoPE-free part of keys do not depend on absolute
+  positions (no learned absolute embeddings, no position-dependent scaling), so a shifted block is the block;
+* **the partial-recompute engine** (:func:`~hf_kvreuse.generation.partial.partial_forward`): recomputing rows
+  through the model's forward with a position-causal 4D mask reproduces a plain forward, and its layer-range
+  mode (which drives the decoder layers itself) reproduces what the model's own ``forward`` does around them
+  (embedding scaling, norms, multipliers).
+
+:func:`check_model` verifies each of them on a short probe sequence by running the model's **own** forward
+twice (at positions ``0..T-1`` and ``d..d+T-1``) and comparing, layer by layer, with what the library derives.
+The result is cached per model object (and dtype / attention backend); the first cache built on a model pays
+one probe (tens of milliseconds on SmolLM2-135M, see ``tests/test_model_check.py``). Caches call
+:func:`require` and refuse at construction, with an error naming the model type and the failed check.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .rope import ROPE_LAYOUTS, UnsupportedRopeError, check_rope_supported, find_rotary_embedding
+
+PROBE_TOKENS = 8
+PROBE_SHIFT = 37
+
+
+class UnsupportedModelError(ValueError):
+    """The model's own code does not behave as a library mechanism requires (the check says which)."""
+
+
+@dataclass
+class ModelCheck:
+    """What the probe of one model found (relative errors are ``max|a - b| / max|b|`` over every layer)."""
+
+    model_type: str
+    dtype: str
+    rope_layout: str | None = None         # "half" | "interleaved" (None: re-positioning refused)
+    rotary_dim: int | None = None          # leading dimensions of each head that rotate
+    rope_error: float | None = None        # layer-0 keys: shift vs the model's keys at the shifted positions
+    invariance_error: float | None = None  # every layer: shifted keys / values vs the model's at p + d
+    rope_reason: str | None = None
+    engine_error: float | None = None      # partial_forward (all rows, then a subset) vs the model's forward
+    engine_reason: str | None = None
+    layers_error: float | None = None      # partial_forward(layers=...) in two ranges vs the model's forward
+    layers_reason: str | None = None
+    probe_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def rope_ok(self) -> bool:
+        return self.rope_reason is None
+
+    @property
+    def engine_ok(self) -> bool:
+        return self.engine_reason is None
+
+    @property
+    def layers_ok(self) -> bool:
+        return self.layers_reason is None
+
+
+_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_LOCK = threading.RLock()
+
+
+def _target(model):
+    from .generation.mixin import _generation_target
+
+    return _generation_target(model)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # fp32 numerics agree to ~1e-6 relative; half precision rounds every op. A wrong layout, a missing scale or
+    # an absolute-position term gives errors of order 1, far above either bound.
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 6e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def _max_rel(pairs) -> tuple[float, int]:
+    worst, where = 0.0, -1
+    for i, (a, b) in enumerate(pairs):
+        e = _rel(a, b)
+        if e > worst or e != e:  # NaN counts as the worst
+            worst, where = e, i
+    return worst, where
+
+
+def _probe_ids(model, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    hi = max(4, min(vocab, 32000))
+    return torch.randint(3 if hi > 8 else 0, hi, (1, PROBE_TOKENS), generator=g).to(device)
+
+
+def _forward_kv(model, ids, start: int):
+    from transformers import DynamicCache
+
+    from .compat import cache_kwargs
+    from .kv import kv_of
+
+    cache = DynamicCache(config=model.config)
+    pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    out = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))
+    return [(k.clone(), v.clone()) for k, v in kv_of(cache)], out.logits
+
+
+def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
+    from .rope import RopeShifter
+
+    try:
+        check_rope_supported(model)
+        rot = find_rotary_embedding(model)
+    except UnsupportedRopeError as e:
+        report.rope_reason = str(e)
+        return
+    errors = {}
+    for layout in ROPE_LAYOUTS:
+        shifter = RopeShifter(rot, layout=layout)
+        errors[layout] = _rel(shifter.shift(kv0[0][0], PROBE_SHIFT), kv1[0][0])
+    layout = min(errors, key=errors.get)
+    report.extra["layout_errors"] = errors
+    report.rope_error = errors[layout]
+    if not errors[layout] <= tol:
+        report.rope_reason = (f"{report.model_type}: re-rotating cached keys matches neither the half-split nor the "
+                              f"interleaved RoPE layout of the model's own forward (layer-0 key error "
+                              + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()) + ")")
+        return
+    shifter = RopeShifter(rot, layout=layout)
+    pairs = []
+    for (k0, v0), (k1, v1) in zip(kv0, kv1):
+        pairs += [(shifter.shift(k0, PROBE_SHIFT), k1), (v0, v1)]
+    err, where = _max_rel(pairs)
+    report.invariance_error = err
+    if not err <= tol:
+        what = "keys" if where % 2 == 0 else "values"
+        report.rope_reason = (f"{report.model_type}: the model's {what} of layer {where // 2} depend on absolute "
+                              f"positions beyond RoPE (a block moved by {PROBE_SHIFT} positions differs from the "
+                              f"model's own by {err:.3g} relative), so re-positioned K/V would be wrong")
+        return
+    report.rope_layout, report.rotary_dim = layout, shifter.rotary_dim
+
+
+def _probe_engine(model, report: ModelCheck, ids, kv0, logits0, tol: float) -> None:
+    from .generation.partial import partial_forward
+
+    n = ids.shape[1]
+    try:
+        kv = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv0]
+        out = partial_forward(model, ids, torch.arange(n), kv, logits_to_keep=0)
+        pairs = [t for (k, v), (rk, rv) in zip(kv, kv0) for t in ((k, rk), (v, rv))]
+        pairs.append((out.logits, logits0))
+        # rows of the second half only, the first half already exact: the mask must see the cached columns
+        kv2 = [(k.clone(), v.clone()) for k, v in kv0]
+        for k, v in kv2:
+            k[..., n // 2:, :] = 0
+            v[..., n // 2:, :] = 0
+        out2 = partial_forward(model, ids, torch.arange(n // 2, n), kv2, logits_to_keep=0)
+        pairs += [t for (k, v), (rk, rv) in zip(kv2, kv0) for t in ((k, rk), (v, rv))]
+        pairs.append((out2.logits, logits0[:, n // 2:]))
+    except Exception as e:  # noqa: BLE001 - any failure of the engine on this model is a refusal reason
+        report.engine_reason = f"{report.model_type}: partial recompute fails on this model ({type(e).__name__}: {e})"
+        return
+    err, where = _max_rel(pairs)
+    report.engine_error = err
+    if not err <= tol:
+        report.engine_reason = (f"{report.model_type}: recomputing rows through the model's forward with a "
+                                f"position-causal mask does not reproduce a plain forward (relative error "
+                                f"{err:.3g}, check #{where})")
+
+
+def _probe_layers(model, report: ModelCheck, ids, kv0, tol: float) -> None:
+    from .generation.partial import partial_forward
+
+    n = ids.shape[1]
+    n_layers = len(kv0)
+    cut = max(1, n_layers // 2)
+    try:
+        kv = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv0]
+        rows = torch.arange(n)
+        h = partial_forward(model, ids, rows, kv, layers=range(0, cut))
+        if cut < n_layers:
+            partial_forward(model, ids, rows, kv, layers=range(cut, n_layers), hidden_states=h)
+    except Exception as e:  # noqa: BLE001
+        report.layers_reason = (f"{report.model_type}: layer-range recompute is not available for this model "
+                                f"({type(e).__name__}: {e})")
+        return
+    err, where = _max_rel([t for (k, v), (rk, rv) in zip(kv, kv0) for t in ((k, rk), (v, rv))])
+    report.layers_error = err
+    if not err <= tol:
+        report.layers_reason = (f"{report.model_type}: running its decoder layers directly does not reproduce the "
+                                f"model's own forward (layer {where // 2} {'keys' if where % 2 == 0 else 'values'} "
+                                f"differ by {err:.3g} relative): its forward does more around the layers than "
+                                f"the Llama layout (e.g. an embedding multiplier); layer-wise methods are refused")
+
+
+@torch.no_grad()
+def check_model(model, refresh: bool = False) -> ModelCheck:
+    """Probe ``model`` (once per model object, dtype and attention backend; cached) and return what it found.
+
+    Parameters
+    ----------
+    model : PreTrainedModel or peft PeftModel
+        A causal LM.
+    refresh : bool, default=False
+        Probe again even if a cached result exists.
+    """
+    target = _target(model)
+    param = next(target.parameters())
+    attn = getattr(target.config, "_attn_implementation", None)
+    key = (param.dtype, param.device, attn)
+    with _LOCK:
+        seen = _CACHE.setdefault(target, {})
+        if key in seen and not refresh:
+            return seen[key]
+        t0 = time.perf_counter()
+        model_type = f"{type(target).__name__} (model_type={getattr(target.config, 'model_type', '?')!r})"
+        report = ModelCheck(model_type=model_type, dtype=str(param.dtype).replace("torch.", ""))
+        tol = _tolerance(param.dtype)
+        ids = _probe_ids(target, param.device)
+        # the probe checks the model's layout, not the caller's numerics: no autocast
+        with torch.autocast(param.device.type, enabled=False):
+            try:
+                kv0, logits0 = _forward_kv(target, ids, 0)
+                kv1, _ = _forward_kv(target, ids, PROBE_SHIFT)
+            except Exception as e:  # noqa: BLE001
+                reason = f"{model_type}: its forward cannot be probed ({type(e).__name__}: {e})"
+                report.rope_reason = report.engine_reason = report.layers_reason = reason
+            else:
+                if len({k.shape[-2] for k, _ in kv0}) != 1:
+                    reason = f"{model_type}: its layers cache different numbers of tokens (sliding or shared layers)"
+                    report.rope_reason = report.engine_reason = report.layers_reason = reason
+                else:
+                    _probe_rope(target, report, kv0, kv1, tol)
+                    _probe_engine(target, report, ids, kv0, logits0, tol)
+                    _probe_layers(target, report, ids, kv0, tol)
+        if target.training and not (report.rope_ok and report.engine_ok and report.layers_ok):
+            report.extra["note"] = "the model is in training mode (dropout makes forwards differ): call model.eval()"
+        report.probe_s = time.perf_counter() - t0
+        seen[key] = report
+        return report
+
+
+def require(model, *, rope: bool = False, engine: bool = False, layers: bool = False, who: str = "this cache"
+            ) -> ModelCheck:
+    """:func:`check_model`, raising :class:`UnsupportedModelError` (or :class:`UnsupportedRopeError`) when a
+    needed mechanism does not reproduce the model's own computation."""
+    report = check_model(model)
+    note = f" ({report.extra['note']})" if "note" in report.extra else ""
+    if rope and not report.rope_ok:
+        raise UnsupportedRopeError(f"{who} cannot re-position K/V of {report.rope_reason}{note}")
+    if engine and not report.engine_ok:
+        raise UnsupportedModelError(f"{who} refuses {report.engine_reason}{note}")
+    if layers and not report.layers_ok:
+        raise UnsupportedModelError(f"{who} refuses {report.layers_reason}{note}")
+    return report
