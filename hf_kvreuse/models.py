@@ -83,10 +83,11 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def tiny_config(arch: str = "llama", **overrides):
-    """A small config of the given architecture: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 128."""
+    """A small config of the given architecture: 4 layers (every per-layer phase of a method runs, e.g. CacheBlend's
+    layers after its check layer), hidden 64, 4 heads / 2 KV heads, vocab 128."""
     import transformers
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=False)
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
