@@ -162,7 +162,8 @@ def test_prelrshared_lr_caches_equal_writer_states_times_A(pm):
     for layer, x in xs.items():
         for agent in AGENTS:
             A = factor(pm, layer, "v_proj", agent)
-            torch.testing.assert_close(cache.store.get("v", agent, layer), x @ A.T, atol=1e-5, rtol=1e-5)
+            # decode steps vs one prefill: fp32 noise grows with depth (4 layers)
+            torch.testing.assert_close(cache.store.get("v", agent, layer), x @ A.T, atol=1e-4, rtol=1e-4)
         vproj = base.model.layers[layer].self_attn.v_proj.base_layer
         hkv = pm.config.num_key_value_heads
         v_base = vproj(x).view(1, T, hkv, -1).transpose(1, 2)

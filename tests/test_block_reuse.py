@@ -61,8 +61,12 @@ def test_full_recompute_equals_full_prefill(arch_model, method):
     assert cache.stats.reused_tokens == 0
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "direct"])
 def test_zero_recompute_equals_direct_reuse(arch_model, method):
+    """Repairing nothing is direct reuse (tokens and every K/V).
+
+    Planted bug that fails it: ``EdgeRecomputeCache.extra_rows`` recomputes one row even for ``recompute_tokens=0``
+    (``n = max(1, ...)``)."""
     cls, none_kw, _ = METHODS[method]
     ids, _, spans = rag_prompt(2)
     store = ChunkStore()
@@ -71,6 +75,12 @@ def test_zero_recompute_equals_direct_reuse(arch_model, method):
     out_d = arch_model.generate(ids, cache=direct, **GEN)
     out = arch_model.generate(ids, cache=cache, **GEN)
     assert torch.equal(out, out_d)
+    # every reused row keeps direct reuse's K/V (CacheBlend's rows outside blocks saw fresh K/V in its first
+    # layers, so only the block rows are compared for it)
+    rows = torch.cat([torch.arange(s, e) for s, e in spans])
+    for (k, v), (dk, dv) in zip(kv_of(cache), kv_of(direct)):
+        torch.testing.assert_close(k[..., rows, :], dk[..., rows, :], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v[..., rows, :], dv[..., rows, :], atol=1e-5, rtol=1e-5)
     assert cache.stats.reused_tokens == direct.stats.reused_tokens == sum(e - s for s, e in spans)
 
 
@@ -182,3 +192,34 @@ def test_spans_as_lists_and_bad_blocks(llama):
     assert DirectReuseCache(llama, ids, [list(sp) for sp in spans]).blocks == spans
     with pytest.raises(TypeError, match="spans"):
         DirectReuseCache(llama, ids, [spans[0], docs[1]])
+
+
+def test_offset_formula_with_a_nonzero_offset(llama):
+    """Blocks computed under another prefix (same anchor token): above layer 0 the first block's K/V are exactly
+    ``source block + (target anchor - source anchor)`` in RoPE-free space, with every term taken here from plain
+    prefills (the self-control has a zero offset by construction, so it cannot test this).
+
+    Planted bug that fails it: ``OffsetCache._apply_offset`` reads the target anchor at row ``s`` instead of
+    ``s - 1``."""
+    from hf_kvreuse import RopeShifter
+
+    ids, _, spans = rag_prompt(8)
+    (s, e) = spans[0]
+    prefixes = [torch.cat([torch.tensor([11, 12, 13, 14, 15]), ids[0, b - 1: b]]) for b, _ in spans]
+    prefix = prefixes[0]
+    cache = OffsetCache(llama, ids, spans, block_prefix_ids=prefixes)
+    llama.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+    p = prefix.shape[0]
+    src, _ = exact_prefill(llama, torch.cat([prefix, ids[0, s:e]])[None])   # the block after the other prefix
+    tgt, _ = exact_prefill(llama, ids[:, :s])                                 # the target anchor in this prompt
+    sh = RopeShifter(llama)
+    got = kv_of(cache)
+    for layer in (1, len(got) - 1):
+        (sk, sv), (tk, tv) = kv_of(src)[layer], kv_of(tgt)[layer]
+        want_v = tv[..., s - 1: s, :] + sv[..., p:, :] - sv[..., p - 1: p, :]
+        torch.testing.assert_close(got[layer][1][..., s:e, :], want_v, atol=1e-5, rtol=1e-5)
+        free = lambda k, start: sh.shift(k, -torch.arange(start, start + k.shape[-2]))  # noqa: E731
+        want_k = free(tk[..., s - 1: s, :], s - 1) + free(sk[..., p:, :], p) - free(sk[..., p - 1: p, :], p - 1)
+        want_k = sh.shift(want_k, torch.arange(s, e))
+        torch.testing.assert_close(got[layer][0][..., s:e, :], want_k, atol=1e-4, rtol=1e-4)
+        assert (want_v - sv[..., p:, :]).abs().max() > 1e-3  # the offset is not zero

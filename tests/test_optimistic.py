@@ -112,13 +112,19 @@ def test_optimistic_tokens_differ_and_divergence_is_counted(llama, slow_backgrou
     assert cache.stats.first_divergence == int((logits.argmax(-1) != out[0, n: n + 8]).nonzero()[0, 0])
 
 
-def test_sampling_with_swap_runs(llama, slow_background):
+def test_sampling_with_swap_returns_exact_cache(llama, slow_background):
+    """Sampling with a swap at 3: the returned cache is the exact cache of every fed token (the logits after the
+    swap are checked in test_trust.test_sampling_swap_continues_exactly).
+
+    Planted bug that fails it: ``_swap_in`` feeds one token too few (the replay skips the first generated token)."""
     ids_a, ids_b = agent_prompts(4)
     donor = _donor(llama, ids_a)
     cache = _cache(llama, ids_b, donor, max_optimistic_tokens=3)
     out = llama.generate(ids_b, cache=cache, max_new_tokens=12, do_sample=True, temperature=0.8)
     assert out.shape[1] == ids_b.shape[1] + 12 and cache.stats.swap_step == 3
     assert cache.physical_length() == out.shape[1] - 1
+    exact, _ = exact_prefill(llama, out[:, :-1])
+    assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_both_keywords(llama):
@@ -208,10 +214,10 @@ def test_clear_errors(llama):
         mask = torch.ones_like(ids_b)
         mask[0, 0] = 0
         llama.generate(ids_b, attention_mask=mask, cache=_cache(llama, ids_b, donor), **GEN)
-    cache = _cache(llama, ids_b, donor, max_optimistic_tokens=0)
-    llama.generate(ids_b, cache=cache, **GEN)
-    with pytest.raises(RuntimeError, match="one generate call"):
-        llama.generate(ids_b, cache=cache, **GEN)
+    with pytest.raises(ValueError, match="batch size 1"):  # continuations are checked like first calls
+        cache = _cache(llama, ids_b, donor, max_optimistic_tokens=0)
+        out = llama.generate(ids_b, cache=cache, **GEN)
+        llama.generate(out.repeat(2, 1), cache=cache, **GEN)
     other = enable(tiny_model("qwen3"))
     with pytest.raises(ValueError, match="another model"):
         other.generate(ids_b, cache=_cache(llama, ids_b, donor), **GEN)

@@ -42,16 +42,49 @@ def test_shift_equals_fresh_prefill_at_shifted_positions(rope):
         torch.testing.assert_close(la.values, lb.values, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("rope", list(ROPES))
-def test_round_trip_per_token_deltas(rope):
-    sh = RopeShifter(_model(rope))
-    keys = torch.randn(1, 2, 10, 16)
+def _layer0_keys(model, ids, positions):
+    """The model's own layer-0 keys of ``ids`` at arbitrary ``positions`` (layer 0 sees no other context)."""
+    from hf_kvreuse.compat import cache_kwargs
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, position_ids=positions[None], **cache_kwargs(cache))
+    return cache.layers[0].keys
+
+
+def _family(name):
+    import transformers
+
+    if name.startswith("llama-"):
+        return _model(name[6:])
+    cls, kw = {"cohere": (transformers.CohereConfig, {}),                       # interleaved
+               "glm": (transformers.GlmConfig, {"head_dim": 16}),              # interleaved, partial rotary
+               "stablelm": (transformers.StableLmConfig, {"partial_rotary_factor": 0.25}),  # half, partial
+               "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5})}[name]
+    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("name", [f"llama-{r}" for r in ROPES] + ["cohere", "glm", "stablelm", "phi3"])
+def test_per_token_deltas_match_the_models_own_keys(name):
+    """Keys at positions ``p`` shifted by per-token deltas equal the keys the model itself computes at ``p + d``
+    (checked against the model's forward, not against the shifter run backwards).
+
+    Planted bug that fails it: ``RopeShifter`` with the other layout (``layout="half"`` for Cohere / GLM,
+    ``"interleaved"`` for the rest), or ``cos_sin`` without the ``cat``/``repeat_interleave`` of the angles."""
+    model = _family(name)
+    sh = RopeShifter(model)
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(1000, 1010)
     delta = torch.tensor([0, 1, -3, 100, 7, 7, -50, 2, 1000, -1000])
-    back = sh.shift(sh.shift(keys, delta), -delta)
-    torch.testing.assert_close(back, keys, atol=1e-5, rtol=0)
-    # per-token deltas equal one shift per token
-    for t in (2, 8):
-        torch.testing.assert_close(sh.shift(keys, delta)[..., t:t + 1, :], sh.shift(keys[..., t:t + 1, :], int(delta[t])))
+    got = sh.shift(_layer0_keys(model, ids, pos), delta)
+    want = _layer0_keys(model, ids, pos + delta)
+    assert (want - _layer0_keys(model, ids, pos)).abs().max() > 1e-2  # the deltas do move the keys
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    wrong = RopeShifter(model, layout="half" if sh.layout == "interleaved" else "interleaved")
+    assert (wrong.shift(_layer0_keys(model, ids, pos), delta) - want).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("cfg", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": THETA}])
