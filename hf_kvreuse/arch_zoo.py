@@ -21,17 +21,21 @@ and run. Left out, and why:
 * multi-head latent attention / sparse indexers (deepseek_v2/v3/v32/v4, minicpm3, glm4_moe_lite, longcat_flash,
   sarvam_mla, youtu, axk1/2, glm_moe_dsa): K/V heads of another shape than the query heads or an indexer cache;
   they do not build from these generic sizes (``q_lora_rank`` / ``kv_lora_rank`` layouts);
-* multimodal wrappers (gemma3, gemma3n, gemma4*, llama4, mllama, emu3, fuyu, got_ocr2, git, phi4_multimodal,
-  qwen3_5, moshi, musicgen*, moss_transcribe_diarize, blt): need vision / audio towers, too slow or extra deps;
-* architectures whose attention is sliding-window or chunked by design (cohere2*, gemma4_text, granite_swa,
-  hy_v4, inkling*, flint, laguna, lara_mini, mimo_v2_flash, exaone_moe, dory, cwm, afmoe, kolibri1,
-  modernbert-decoder): the library refuses sliding layers (``KVReuseCache``); the covered siblings (cohere,
-  gemma2/3, mistral, olmo3, ministral) run with every layer on full attention;
+* multimodal wrappers (gemma3, gemma3n, gemma4, gemma4_unified*, gemma4_assistant, llama4, mllama, emu3, fuyu,
+  got_ocr2, git, phi4_multimodal, qwen3_5, moshi, musicgen*, moss_transcribe_diarize, blt): need vision / audio
+  towers, too slow or extra deps;
+* architectures whose attention is sliding-window or chunked by design and that do not build with every layer on
+  full attention here (granitemoe_swa: no sdpa/eager path usable; flint, mimo_v2_flash: no sdpa, inkling*: linear
+  layers, hy_v4: indexer cache, modernbert-decoder). The others are in the zoo with ``layer_types`` all
+  ``full_attention`` (the library refuses sliding layers in ``KVReuseCache``): mistral, ministral, gemma2/3,
+  cohere2, olmo3, gpt_oss, vaultgemma, granite_swa, cwm, exaone_moe, laguna, afmoe, dory, lara_mini, kolibri1,
+  gemma4_text, lfm3;
 * aliases of an already covered class (exaone, internlm3, iquestcoder -> LlamaForCausalLM; sarvam_moe ->
   Glm4MoeForCausalLM; gpt-sw3 -> GPT2LMHeadModel);
-* models without an sdpa or eager path usable here or that fail to build from small sizes (big_bird, cpmant,
-  reformer, rembert, roformer, megatron-bert, openai-gpt, gpt_neox_japanese, mpt, ctrl: huge embedding,
-  hrm_text, qwen4_exp*, dots3_note*, dbrx, beam, zaya, cohere_compass_text).
+* models without an sdpa path that were not retried with eager (big_bird, cpmant, reformer, rembert, roformer,
+  megatron-bert, openai-gpt, gpt_neox_japanese, mpt) or that fail to build from these sizes (hrm_text, qwen4_exp*,
+  dots3_note*, dbrx, beam, zaya, cohere_compass_text, gemma3n_text); ctrl (a 4M-parameter positional table).
+  The no-RoPE families are represented by gpt2, opt, bloom, gpt_bigcode, biogpt and xglm.
 
 Architectures whose attention is only available as ``eager`` in this transformers (gemma2, bloom, ...) are built
 with ``attn_implementation="eager"``.
@@ -39,7 +43,9 @@ with ``attn_implementation="eager"``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 
 import torch
 
@@ -85,9 +91,33 @@ SPECS: dict[str, dict] = {
     "falcon": {"head_dim": None, "num_key_value_heads": None, "new_decoder_architecture": True,
                "num_kv_heads": KV_HEADS, "attn": "eager"},
     # -- mixture of experts (2 experts)
-    "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "phimoe": {}, "granitemoe": {},
-    "granitemoeshared": {}, "jetmoe": {"num_key_value_heads": None, "kv_channels": HEAD_DIM, "num_local_experts": 2},
+    "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "phimoe": {}, "granitemoe": {},  # multipliers 1
+    "granitemoeshared": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                         "attention_multiplier": 0.0625, "logits_scaling": 8.0},
+    "jetmoe": {"num_key_value_heads": None, "kv_channels": HEAD_DIM, "num_local_experts": 2},
     "ernie4_5_moe": {}, "hunyuan_v1_moe": {}, "dots1": {}, "glm4_moe": {}, "flex_olmo": {},
+    # -- sliding-window families, every layer on full attention
+    # (cohere2, exaone_moe, afmoe, lara_mini, kolibri1 put no RoPE on their full-attention layers)
+    "cohere2": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 4096, "attn": "eager"},  # attention sinks
+    "vaultgemma": {"sliding_window": 4096, "attn": "eager"}, "granite_swa": {"sliding_window": 4096, "attn": "eager"},
+    "cwm": {"sliding_window": 4096}, "exaone_moe": {"sliding_window": 4096}, "laguna": {"sliding_window": 4096},
+    "afmoe": {"sliding_window": 4096}, "dory": {"sliding_window": 4096}, "lara_mini": {"sliding_window": 4096},
+    "kolibri1": {"sliding_window": 4096},
+    "gemma4_text": {"sliding_window": 4096, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16}, "lfm3": {"sliding_window": 4096},
+    "minimax_m2": {},
+    # -- RoPE scaling variants (model_type@variant): length-independent types work, dynamic / longrope must refuse
+    "llama@linear": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    "llama@llama3": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+                                         "rope_theta": 10000.0}},
+    "qwen2@yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                       "rope_theta": 10000.0}},
+    "llama@dynamic": {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    "phi3@longrope": {"max_position_embeddings": 1024, "original_max_position_embeddings": 256,
+                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                          "original_max_position_embeddings": 256,
+                                          "short_factor": [1.0] * (HEAD_DIM // 2),
+                                          "long_factor": [2.0] * (HEAD_DIM // 2)}},
     # -- no RoPE: learned absolute positions or ALiBi (must be refused)
     "gpt2": {}, "opt": {"word_embed_proj_dim": HIDDEN, "ffn_dim": 128}, "bloom": {"attn": "eager"},
     "gpt_bigcode": {}, "biogpt": {}, "xglm": {"attn": "eager"},
@@ -106,10 +136,13 @@ def _config_class(model_type: str):
 
 
 def zoo_config(model_type: str, **overrides):
-    """The tiny config of one zoo architecture (``overrides`` applied last)."""
+    """The tiny config of one zoo architecture (``overrides`` applied last).
+
+    ``model_type`` is a transformers model type, or ``model_type@variant`` for a RoPE-scaling variant of it.
+    """
     if model_type not in SPECS:
         raise ValueError(f"{model_type!r} is not in the zoo; choose from {sorted(SPECS)}")
-    cls = _config_class(model_type)
+    cls = _config_class(model_type.split("@")[0])
     params = set(inspect.signature(cls.__init__).parameters)
     known = params | set(getattr(cls, "attribute_map", {}) or {})
     spec = dict(SPECS[model_type])
@@ -161,3 +194,184 @@ def zoo_model(model_type: str, seed: int = 0, logit_scale: float = 20.0, **overr
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The exactness checks every cache must pass on every zoo architecture, or refuse at construction.
+
+#: check name -> what it verifies
+CHECKS = {
+    "optimistic": "OptimisticCache: swap before the first token equals plain generate (tokens and logits); "
+                  "never swapping, the donor rows re-positioned into layer 0 equal a full prefill's",
+    "direct": "DirectReuseCache, blocks under their own prefix: equals plain generate",
+    "epic": "EPICCache(recompute_tokens=4), blocks under their own prefix: equals plain generate",
+    "tail": "TailRecomputeCache(recompute_tokens=4), blocks under their own prefix: equals plain generate",
+    "blend": "BlendCache(recompute_ratio=0.15), blocks under their own prefix: equals plain generate",
+    "offset": "OffsetCache, blocks under their own prefix: equals plain generate",
+    "blend_full": "BlendCache(recompute_ratio=1.0), standalone blocks: equals plain generate",
+    "reposition": "DirectReuseCache, standalone blocks: the block rows of layer 0 equal a full prefill's",
+}
+REFUSAL_ERRORS = (ValueError,)  # UnsupportedRopeError and UnsupportedModelError are ValueErrors
+GEN = dict(max_new_tokens=6, do_sample=False)
+LOGITS_TOL = dict(atol=1e-3, rtol=1e-3)
+KV_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def rag_prompt(seed: int = 0, n_docs: int = 3, doc_len: int = 12, vocab: int = 128):
+    """system ⊕ doc_1 ⊕ sep ⊕ doc_2 ⊕ ... ⊕ question: ``(ids [1, N], doc spans)``."""
+    g = torch.Generator().manual_seed(seed)
+    parts, spans, pos = [torch.randint(3, vocab, (5,), generator=g)], [], 5
+    for _ in range(n_docs):
+        parts += [torch.randint(3, vocab, (doc_len,), generator=g), torch.randint(3, vocab, (2,), generator=g)]
+        spans.append((pos, pos + doc_len))
+        pos += doc_len + 2
+    parts.append(torch.randint(3, vocab, (6,), generator=g))
+    return torch.cat(parts)[None], spans
+
+
+def agent_prompts(seed: int = 0, shared: int = 24, role_a: int = 5, role_b: int = 8, vocab: int = 128):
+    """Two prompts sharing a block of ``shared`` tokens after different role prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(3, vocab, (1, shared), generator=g)
+    ra = torch.randint(3, vocab, (1, role_a), generator=g)
+    rb = torch.randint(3, vocab, (1, role_b), generator=g)
+    return torch.cat([ra, q], 1), torch.cat([rb, q], 1)
+
+
+def _prefill_kv(model, ids):
+    from transformers import DynamicCache
+
+    from .compat import cache_kwargs
+    from .kv import kv_of
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, position_ids=torch.arange(ids.shape[1])[None], logits_to_keep=1, **cache_kwargs(cache))
+    return kv_of(cache)
+
+
+def _generate(model, ids, **kw):
+    out = model.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _assert_same_generation(model, ids, cache, what: str) -> None:
+    seq, logits = _generate(model, ids, cache=cache)
+    ref_seq, ref_logits = _generate(model, ids)
+    assert torch.equal(seq, ref_seq), f"{what}: tokens differ from plain generate: {seq.tolist()} vs {ref_seq.tolist()}"
+    torch.testing.assert_close(logits, ref_logits, **LOGITS_TOL, msg=lambda m: f"{what}: logits differ: {m}")
+
+
+def _assert_layer0(kv, ref, rows: torch.Tensor, what: str) -> None:
+    (k, v), (rk, rv) = kv[0], ref[0]
+    torch.testing.assert_close(k[..., rows, :], rk[..., rows, :], **KV_TOL,
+                               msg=lambda m: f"{what}: layer-0 keys: {m}")
+    torch.testing.assert_close(v[..., rows, :], rv[..., rows, :], **KV_TOL,
+                               msg=lambda m: f"{what}: layer-0 values: {m}")
+
+
+@contextlib.contextmanager
+def held_background():
+    """Hold OptimisticCache's background prefill until the foreground waits for it or cancels it, so the swap
+    happens exactly at ``max_optimistic_tokens`` (or never), however loaded the machine is."""
+    from .generation.background import BackgroundPrefill
+
+    orig = BackgroundPrefill._prefill, BackgroundPrefill.boost, BackgroundPrefill.cancel
+
+    def release(job):
+        if not hasattr(job, "_release"):
+            job._release = threading.Event()
+        return job._release
+
+    def held(job):
+        if not job.synchronous:
+            assert release(job).wait(timeout=60), "the foreground never waited for the background prefill"
+        return orig[0](job)
+
+    def boost(job):
+        release(job).set()
+        orig[1](job)
+
+    def cancel(job):
+        release(job).set()
+        orig[2](job)
+
+    BackgroundPrefill._prefill, BackgroundPrefill.boost, BackgroundPrefill.cancel = held, boost, cancel
+    try:
+        yield
+    finally:
+        BackgroundPrefill._prefill, BackgroundPrefill.boost, BackgroundPrefill.cancel = orig
+
+
+def _check_optimistic(model):
+    from .cache_classes import OptimisticCache
+    from .compat import output_cache
+    from .kv import kv_of
+
+    ids_a, ids_b = agent_prompts()
+    donor = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    make = lambda **kw: OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(donor),  # noqa: E731
+                                        donor_ids=donor.sequences, **kw)
+    yield make(max_optimistic_tokens=0)  # construction: a refusal stops here
+    _assert_same_generation(model, ids_b, make(max_optimistic_tokens=0), "OptimisticCache(max_optimistic_tokens=0)")
+    cache = make(max_optimistic_tokens=None, on_early_finish="cancel")
+    with held_background():
+        model.generate(ids_b, cache=cache, max_new_tokens=1, do_sample=False)
+    assert not cache.stats.exact and cache.stats.reused_tokens > 0
+    t2d = cache.alignment.target_to_donor()
+    from_donor = torch.nonzero(t2d >= 0).flatten()
+    assert from_donor.numel() == cache.stats.reused_tokens and bool((from_donor != t2d[from_donor]).any())
+    _assert_layer0(kv_of(cache), _prefill_kv(model, ids_b), from_donor,
+                   "OptimisticCache: donor rows re-positioned into layer 0")
+
+
+def _check_block(model, cls_name: str, **kw):
+    from . import cache_classes
+
+    cls = getattr(cache_classes, cls_name)
+    ids, spans = rag_prompt()
+    yield cls(model, ids, spans, **kw)
+    _assert_same_generation(model, ids, cls(model, ids, spans, **kw), f"{cls_name}({kw})")
+
+
+def _check_reposition(model):
+    from .cache_classes import DirectReuseCache
+    from .kv import kv_of
+
+    ids, spans = rag_prompt(1)
+    yield DirectReuseCache(model, ids, spans)
+    cache = DirectReuseCache(model, ids, spans)
+    model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+    rows = torch.cat([torch.arange(s, e) for s, e in cache.blocks])
+    assert cache.stats.reused_tokens == rows.numel() and all(s > 0 for s, _ in cache.blocks)
+    _assert_layer0(kv_of(cache), _prefill_kv(model, ids), rows, "DirectReuseCache: standalone blocks in layer 0")
+
+
+_RUNNERS = {
+    "optimistic": _check_optimistic,
+    "direct": lambda m: _check_block(m, "DirectReuseCache", block_prefix_ids="own"),
+    "epic": lambda m: _check_block(m, "EPICCache", block_prefix_ids="own", recompute_tokens=4),
+    "tail": lambda m: _check_block(m, "TailRecomputeCache", block_prefix_ids="own", recompute_tokens=4),
+    "blend": lambda m: _check_block(m, "BlendCache", block_prefix_ids="own", recompute_ratio=0.15),
+    "offset": lambda m: _check_block(m, "OffsetCache", block_prefix_ids="own"),
+    "blend_full": lambda m: _check_block(m, "BlendCache", recompute_ratio=1.0),
+    "reposition": _check_reposition,
+}
+
+
+def run_check(model, check: str) -> str | None:
+    """Run one of :data:`CHECKS` on an :func:`~hf_kvreuse.enable`-d ``model``.
+
+    Returns None when the cache was built and reproduced the model exactly, or the refusal message when its
+    construction raised a ``ValueError`` (:class:`~hf_kvreuse.rope.UnsupportedRopeError`,
+    :class:`~hf_kvreuse.model_check.UnsupportedModelError`, ...). A wrong output raises ``AssertionError``;
+    an error after a successful construction propagates.
+    """
+    steps = _RUNNERS[check](model)
+    try:
+        next(steps)  # the first construction
+    except REFUSAL_ERRORS as e:
+        return f"{type(e).__name__}: {e}"
+    for _ in steps:
+        pass
+    return None

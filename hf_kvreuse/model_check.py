@@ -55,6 +55,8 @@ class ModelCheck:
     layers_error: float | None = None      # partial_forward(layers=...) in two ranges vs the model's forward
     layers_reason: str | None = None
     probe_s: float = 0.0
+    kv_heads: int | None = None            # K/V heads and head size as the model's own cache stores them
+    head_dim: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -126,7 +128,7 @@ def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
         check_rope_supported(model)
         rot = find_rotary_embedding(model)
     except UnsupportedRopeError as e:
-        report.rope_reason = str(e)
+        report.rope_reason = f"{report.model_type}: {e}"
         return
     errors = {}
     for layout in ROPE_LAYOUTS:
@@ -241,6 +243,7 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
                 reason = f"{model_type}: its forward cannot be probed ({type(e).__name__}: {e})"
                 report.rope_reason = report.engine_reason = report.layers_reason = reason
             else:
+                report.kv_heads, report.head_dim = kv0[0][0].shape[1], kv0[0][0].shape[-1]
                 if len({k.shape[-2] for k, _ in kv0}) != 1:
                     reason = f"{model_type}: its layers cache different numbers of tokens (sliding or shared layers)"
                     report.rope_reason = report.engine_reason = report.layers_reason = reason

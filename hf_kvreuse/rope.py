@@ -25,14 +25,35 @@ class UnsupportedRopeError(ValueError):
     """The model's RoPE variant cannot be re-positioned exactly."""
 
 
-def find_rotary_embedding(model: nn.Module) -> nn.Module:
-    """The model's shared rotary-embedding module (the first module with an ``inv_freq`` buffer)."""
+class _LayerTypeRotary:
+    """The frequencies of one layer type of a rotary module that keeps one ``{type}_inv_freq`` buffer per type
+    (Gemma3, OLMo3, ...): used when every decoder layer of the model has that type."""
+
+    def __init__(self, module: nn.Module, layer_type: str):
+        self.inv_freq = getattr(module, f"{layer_type}_inv_freq")
+        rope_type = getattr(module, "rope_type", "default")
+        self.rope_type = rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type
+        scaling = getattr(module, f"{layer_type}_attention_scaling", getattr(module, "attention_scaling", 1.0))
+        self.attention_scaling = scaling
+
+
+def find_rotary_embedding(model: nn.Module):
+    """The model's shared rotary-embedding module (the first module with an ``inv_freq`` buffer), or the
+    frequencies of the single layer type all its layers use when the module keeps one buffer per layer type."""
     for name, module in model.named_modules():
         if hasattr(module, "inv_freq") and name.endswith("rotary_emb"):
             return module
     for _, module in model.named_modules():
         if hasattr(module, "inv_freq"):
             return module
+    layer_types = set(getattr(getattr(model, "config", None), "layer_types", None) or ())
+    for _, module in model.named_modules():
+        per_type = [t for t in layer_types if hasattr(module, f"{t}_inv_freq")]
+        if per_type:
+            if len(layer_types) != 1:
+                raise UnsupportedRopeError(f"{type(model).__name__} mixes layer types {sorted(layer_types)} with "
+                                           "their own RoPE frequencies; one layer type only")
+            return _LayerTypeRotary(module, per_type[0])
     raise UnsupportedRopeError(f"{type(model).__name__} has no rotary embedding (inv_freq); RoPE models only")
 
 
@@ -80,7 +101,7 @@ class RopeShifter:
     """
 
     def __init__(self, model: nn.Module, layout: str | None = None):
-        if hasattr(model, "inv_freq"):
+        if hasattr(model, "inv_freq"):  # a rotary module (or one layer type's frequencies)
             rot = model
         else:
             if layout is None:

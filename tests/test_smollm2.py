@@ -110,3 +110,39 @@ def test_kvreuse_pipeline_builds_a_cache_per_input(smollm2):
     ref = pipeline("text-generation", model=model, tokenizer=tok)(msgs[1:], max_new_tokens=12, do_sample=False)
     assert [g[0]["generated_text"][-1] for g in got] == [r[0]["generated_text"][-1] for r in ref]
     assert len(made) == 2 and all(c.stats.exact and c.stats.swap_step == 0 for c in made)
+
+
+def test_model_check_on_smollm2_is_cheap_and_passes(smollm2):
+    """The one-time probe on a real 30-layer model: every mechanism matches, in well under a second (the README
+    quotes the figure measured on the 2-core CPU with nothing else running)."""
+    import time
+
+    from hf_kvreuse.model_check import check_model
+
+    model, _ = smollm2
+    check_model(model)  # warm (first forward of the process)
+    t = time.perf_counter()
+    report = check_model(model, refresh=True)
+    elapsed = time.perf_counter() - t
+    assert report.rope_layout == "half" and report.rope_ok and report.engine_ok and report.layers_ok
+    assert report.invariance_error < 1e-4 and report.engine_error < 1e-4
+    assert elapsed < 2.0, f"model check took {elapsed:.3f} s"
+
+
+def test_chat_continuation_after_optimistic_turn(two_agents, smollm2):
+    """Agent B answers with an OptimisticCache; the user replies and B's returned cache takes the next turn. After
+    the swap everything is exact, so the next turn equals plain generate on the whole conversation.
+
+    Planted bug that fails it: ``KVReuseCache.end_generate`` records ``token_ids`` from the prompt only (the answer's
+    K/V are then cropped and recomputed from wrong tokens -- or, without the crop, reused for other tokens)."""
+    model, out_a, ids_b = two_agents
+    _, tok = smollm2
+    cache = OptimisticCache(model, None, output_cache(out_a), out_a.sequences, max_optimistic_tokens=4)
+    out_b = model.generate(ids_b, cache=cache, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    reply = tok("\nThanks. And how long is it?", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    turn2 = torch.cat([out_b.sequences, reply], 1)
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    got = model.generate(turn2, past_key_values=output_cache(out_b), **kw)
+    ref = model.generate(turn2, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=2e-3, rtol=1e-3)

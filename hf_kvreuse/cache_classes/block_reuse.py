@@ -171,11 +171,10 @@ class BlockReuseCache(KVReuseCache):
                 dk[..., s:e, :] = self._shifter.shift(k, delta, cos_sin) if s != chunk.start else k
                 dv[..., s:e, :] = v
         if kv is None:  # no blocks: plain prefill of everything
-            cfg = self.model.config
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             p = next(self.model.parameters())
-            z = torch.zeros(1, cfg.num_key_value_heads, covered, head_dim, dtype=p.dtype, device=p.device)
-            kv = [(z.clone(), z.clone()) for _ in range(cfg.num_hidden_layers)]
+            mc = self.model_check  # K/V geometry as the model's own cache stores it
+            z = torch.zeros(1, mc.kv_heads, covered, mc.head_dim, dtype=p.dtype, device=p.device)
+            kv = [(z.clone(), z.clone()) for _ in range(len(self.layers))]
         return kv
 
 

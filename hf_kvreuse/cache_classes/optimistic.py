@@ -188,12 +188,11 @@ class OptimisticCache(KVReuseCache):
         if len(donor_kv) != len(self.layers):
             raise ValueError(f"donor_cache has {len(donor_kv)} layers, the model {len(self.layers)}: "
                              "was it made by another model?")
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads, head_dim = self.model_check.kv_heads, self.model_check.head_dim  # from the model's own cache
         k0 = donor_kv[0][0]
-        if k0.shape[0] != 1 or k0.shape[1] != cfg.num_key_value_heads or k0.shape[-1] != head_dim:
+        if k0.shape[0] != 1 or k0.shape[1] != kv_heads or k0.shape[-1] != head_dim:
             raise ValueError(f"donor_cache K/V shape {tuple(k0.shape)} does not fit this model "
-                             f"(batch 1, {cfg.num_key_value_heads} KV heads of size {head_dim})")
+                             f"(batch 1, {kv_heads} KV heads of size {head_dim})")
         donor_len = kv_length(donor_kv)
         if self.donor_ids.shape[1] < donor_len:
             raise ValueError(f"donor_ids has {self.donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
