@@ -56,6 +56,10 @@ def slow_background(monkeypatch):
 
 
 def test_donor_equal_to_target_is_plain_generate(arch_model):
+    """A donor whose prompt is the target's: the whole prompt is an exact prefix, so tokens equal plain generate.
+
+    Planted bug that fails it: ``OptimisticCache._assemble`` copies each layer's donor K/V into the previous
+    layer (``zip(kv, donor_kv[1:] + donor_kv[:1])``, a wrong layer index)."""
     ids_a, _ = agent_prompts(0)
     donor = _donor(arch_model, ids_a)
     ref = arch_model.generate(ids_a, **GEN)
@@ -67,6 +71,10 @@ def test_donor_equal_to_target_is_plain_generate(arch_model):
 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_zero_optimistic_tokens_is_plain_generate(arch_model, do_sample):
+    """``max_optimistic_tokens=0``: the exact cache is built before the first token; greedy and sampled output
+    equal plain generate.
+
+    Planted bug that fails it: ``_swap_in`` does not ``load_kv`` the exact K/V (the cache stays empty)."""
     ids_a, ids_b = agent_prompts(1)
     donor = _donor(arch_model, ids_a)
     kw = dict(max_new_tokens=16, do_sample=do_sample, top_k=0)
@@ -81,6 +89,11 @@ def test_zero_optimistic_tokens_is_plain_generate(arch_model, do_sample):
 
 @pytest.mark.parametrize("swap_at", [1, 3, 7])
 def test_continuation_after_swap_is_exact(arch_model, slow_background, swap_at):
+    """After a swap at ``swap_at`` the tokens are plain generate continued from the same tokens, and the returned
+    cache is exact.
+
+    Planted bug that fails it: ``_swap_in`` feeds one token too few (``input_ids.shape[1] - n``); with the replay
+    record kept ``_count_divergence`` raises, with it dropped the token comparison fails."""
     ids_a, ids_b = agent_prompts(2)
     donor = _donor(arch_model, ids_a)
     cache = _cache(arch_model, ids_b, donor, max_optimistic_tokens=swap_at)
@@ -96,7 +109,13 @@ def test_continuation_after_swap_is_exact(arch_model, slow_background, swap_at):
 
 
 def test_optimistic_tokens_differ_and_divergence_is_counted(llama, slow_background):
-    ids_a, ids_b = agent_prompts(3, shared=30, role_a=4, role_b=12)
+    """The replay's count of optimistic tokens the exact model would not have chosen equals a count by hand.
+    The prompts are chosen so that some, not all, of the 8 diverge, the first not at 0 (all 8 diverging, as with
+    seed 3, made an off-by-one in the count invisible).
+
+    Planted bug that fails it: ``_swap_in`` records the replay tokens shifted by one
+    (``self._replay = input_ids[0, n - 1:-1]``)."""
+    ids_a, ids_b = agent_prompts(8, shared=30, role_a=4, role_b=12)
     donor = _donor(llama, ids_a)
     cache = _cache(llama, ids_b, donor, max_optimistic_tokens=8)
     out = llama.generate(ids_b, cache=cache, **GEN)
@@ -107,7 +126,7 @@ def test_optimistic_tokens_differ_and_divergence_is_counted(llama, slow_backgrou
         logits = llama(out[:, : n + 8]).logits[0, n - 1: n + 7]
     manual = int((logits.argmax(-1) != out[0, n: n + 8]).sum())
     assert cache.stats.divergent_tokens == manual
-    assert manual > 0 and not torch.equal(out, exact_greedy)  # the stale cache did change the tokens
+    assert 0 < manual < 8 and not torch.equal(out, exact_greedy)  # the stale cache did change some tokens
     assert cache.stats.optimistic_tokens == 8 and cache.stats.reused_tokens > 0
     assert cache.stats.first_divergence == int((logits.argmax(-1) != out[0, n: n + 8]).nonzero()[0, 0])
 
@@ -116,7 +135,8 @@ def test_sampling_with_swap_returns_exact_cache(llama, slow_background):
     """Sampling with a swap at 3: the returned cache is the exact cache of every fed token (the logits after the
     swap are checked in test_trust.test_sampling_swap_continues_exactly).
 
-    Planted bug that fails it: ``_swap_in`` feeds one token too few (the replay skips the first generated token)."""
+    Planted bug that fails it: ``_swap_in`` feeds one token too few (``input_ids.shape[1] - n``): with the replay
+    record kept ``_count_divergence`` raises; with it dropped, ``physical_length`` is one short."""
     ids_a, ids_b = agent_prompts(4)
     donor = _donor(llama, ids_a)
     cache = _cache(llama, ids_b, donor, max_optimistic_tokens=3)
@@ -128,6 +148,10 @@ def test_sampling_with_swap_returns_exact_cache(llama, slow_background):
 
 
 def test_both_keywords(llama):
+    """``cache=`` and ``past_key_values=`` both work (plain generate's tokens) and neither warns.
+
+    Planted bug that fails it: ``compat.CACHE_NAMES`` lacks ``"past_key_values"`` (the cache passes through to
+    transformers untouched: same tokens from an empty cache, but transformers warns)."""
     ids_a, ids_b = agent_prompts(5)
     donor = _donor(llama, ids_a)
     ref = llama.generate(ids_b, **GEN)
@@ -183,6 +207,9 @@ def test_no_worker_outlives_generate(llama, slow_background):
 
 
 def test_early_finish_swap_returns_exact_cache(llama, slow_background):
+    """Generation ends before the swap: ``finish`` swaps and replays, so the returned cache is exact.
+
+    Planted bug that fails it: ``finish`` replays at positions one too far (``arange(n, fed.shape[1] + 1)``)."""
     ids_a, ids_b = agent_prompts(8)
     donor = _donor(llama, ids_a)
     cache = _cache(llama, ids_b, donor, max_optimistic_tokens=None)
@@ -192,6 +219,11 @@ def test_early_finish_swap_returns_exact_cache(llama, slow_background):
 
 
 def test_eager_attention(llama_eager, slow_background):
+    """Eager attention: the tokens after a swap at 4 and the returned cache are exact.
+
+    Planted bug that fails it: ``_swap_in`` feeds one token too few (``input_ids.shape[1] - n``; with the replay
+    record dropped, so that ``_count_divergence`` does not raise first): the tokens still agreed here, the K/V
+    check (added for this) fails."""
     ids_a, ids_b = agent_prompts(10)
     donor = _donor(llama_eager, ids_a)
     cache = _cache(llama_eager, ids_b, donor, max_optimistic_tokens=4)
@@ -199,6 +231,8 @@ def test_eager_attention(llama_eager, slow_background):
     n = ids_b.shape[1]
     ref = llama_eager.generate(out[:, : n + 4], max_new_tokens=12, do_sample=False)
     assert torch.equal(out, ref)
+    exact, _ = exact_prefill(llama_eager, out[:, :-1])
+    assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_clear_errors(llama):
@@ -240,6 +274,10 @@ def test_enable_is_idempotent_and_keeps_class_name(tmp_path):
 
 
 def test_plain_generate_unaffected(llama):
+    """An enabled model without an hf_kvreuse cache generates what the plain model does.
+
+    Planted bug that fails it: the mixin's ``generate`` fast path drops the positional prompt
+    (``super().generate(**kwargs)``)."""
     ids = torch.randint(3, 128, (1, 12))
     plain = tiny_model("llama")  # same seed, not enabled
     assert torch.equal(llama.generate(ids, **GEN), plain.generate(ids, **GEN))
@@ -269,7 +307,11 @@ def test_sliding_window_model_refused():
 
 
 def test_peft_model(slow_background):
-    """A peft LoRA model (what the multi-agent adapter caches build on) works through enable()."""
+    """A peft LoRA model (what the multi-agent adapter caches build on) works through enable(): tokens and the
+    returned cache are exact.
+
+    Planted bug that fails it: ``_swap_in`` feeds one token too few (``input_ids.shape[1] - n``, replay record
+    dropped): the tokens still agreed here, the K/V check (added for this) fails."""
     from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False),
@@ -287,3 +329,5 @@ def test_peft_model(slow_background):
     assert cache.stats.swap_step == 3
     assert torch.equal(out, pm.generate(input_ids=out[:, : n + 3], max_new_tokens=GEN["max_new_tokens"] - 3,
                                         do_sample=False))
+    exact, _ = exact_prefill(pm, out[:, :-1])
+    assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)

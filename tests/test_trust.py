@@ -189,7 +189,8 @@ def test_sampling_swap_continues_exactly(llama, held_background):
     """Sampling with a swap at 3 tokens: every token after the swap is sampled from the exact model, so the run
     equals plain sampled generation continued from the same first 3 tokens with the same random state.
 
-    Planted bug that fails it: the replay after the swap feeds only the last token (``return 1`` in ``_swap_in``)."""
+    Planted bug that fails it: the replay after the swap feeds only the last token (``return 1`` in ``_swap_in``,
+    with ``self._replay = None``; keeping the replay record, ``_count_divergence`` raises instead)."""
     ids_a, ids_b = agent_prompts(4)
     donor = _donor(llama, ids_a)
     cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=3)
@@ -207,7 +208,8 @@ def test_background_overlaps_decode_without_holding(llama):
     """No held worker: the exact prefill really runs beside the decode loop (started immediately); whenever it
     swaps in, every later token is the exact model's and the returned cache is exact.
 
-    Planted bug that fails it: ``_swap_in`` loads the exact K/V but skips the replay (feeds 1 token)."""
+    Planted bug that fails it: ``_swap_in`` loads the exact K/V but skips the replay (``return 1`` and
+    ``self._replay = None``): the returned cache lacks the replayed rows."""
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(3, 128, (1, 600), generator=g)
     ids_a = torch.cat([torch.randint(3, 128, (1, 7), generator=g), shared], 1)
@@ -291,8 +293,10 @@ def test_concurrent_generate_calls_match_sequential(arch_model):
     """Two generate calls with caches in two Python threads at once give the tokens (and exact caches) they give
     one after the other, and the thread budget is back to where it was.
 
-    Planted bug that fails it: the two calls share one ``_ScatterCache`` (a module-level cache in
-    ``partial_forward``)."""
+    Planted bug that fails it: the mixin keeps the running cache on the model (``self.__dict__["_kvr_running"]``
+    in ``generate``) and ``prepare_inputs_for_generation`` takes it from there, so each call may step the other's
+    cache. (A module-level ``_ScatterCache`` shared by ``partial_forward`` does not fail it: the two calls' short
+    partial forwards did not overlap.)"""
     before = torch.get_num_threads()
     pairs = [agent_prompts(30 + i) for i in range(2)]
     donors = [_donor(arch_model, a) for a, _ in pairs]
@@ -342,8 +346,10 @@ def test_returned_cache_continues_like_a_dynamic_cache(arch_model, kind):
     """After generate, the returned cache takes the next turn (extended ids) exactly as a ``DynamicCache`` holding
     the same K/V would: same tokens and logits. For OptimisticCache (exact after its swap) that is plain generate.
 
-    Planted bug that fails it: ``end_generate`` records ``token_ids`` one token short (``physical_length() - 1``):
-    the continuation then crops and recomputes differently from the DynamicCache."""
+    Planted bug that fails it (reuse kinds, e.g. [llama-direct]): ``end_generate`` records ``token_ids`` shifted by
+    one (``sequences[:, 1 : physical_length() + 1]``): the continuation finds no common prefix and recomputes the
+    history exactly, unlike the DynamicCache holding the reused K/V. (``token_ids`` one token short does not fail
+    it: that token is recomputed over the same cache and agrees to 1e-5.)"""
     cache, ids = _make(kind, arch_model)
     out = arch_model.generate(ids, cache=cache, return_dict_in_generate=True, **GEN)
     assert output_cache(out) is cache and cache.phase == "done"
@@ -377,6 +383,9 @@ def test_edited_history_is_cropped_to_common_prefix(llama):
 
 
 def test_failed_continuation_leaves_cache_as_it_was(llama):
+    """A continuation that raises leaves length, tokens and K/V as they were.
+
+    Planted bug that fails it: ``end_continuation`` does not crop the failed call's K/V on error."""
     cache, ids = _make("direct", llama)
     out = llama.generate(ids, cache=cache, **GEN)
     length, tokens = cache.get_seq_length(), cache.token_ids.clone()
@@ -394,12 +403,17 @@ def test_failed_continuation_leaves_cache_as_it_was(llama):
 
 
 def test_optimistic_cache_without_input_ids(llama):
-    """``input_ids=None``: the prompt is taken from generate; same result as passing it."""
+    """``input_ids=None``: the prompt is taken from generate; same result (and same swap) as passing it.
+
+    Planted bug that fails it: ``begin_generate`` takes the prompt as ``input_ids[:, :-1]`` when none was given
+    (tokens stay exact through the replay; the swap moves to step 1)."""
     ids_a, ids_b = agent_prompts(26)
     donor = _donor(llama, ids_a)
-    a = llama.generate(ids_b, cache=OptimisticCache(llama, None, *donor, max_optimistic_tokens=0), **GEN)
-    b = llama.generate(ids_b, cache=OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=0), **GEN)
+    ca, cb = (OptimisticCache(llama, ids, *donor, max_optimistic_tokens=0) for ids in (None, ids_b))
+    a = llama.generate(ids_b, cache=ca, **GEN)
+    b = llama.generate(ids_b, cache=cb, **GEN)
     assert torch.equal(a, b) and torch.equal(a, llama.generate(ids_b, **GEN))
+    assert torch.equal(ca.input_ids, ids_b) and ca.stats.swap_step == cb.stats.swap_step == 0
 
 
 def test_dynamic_cache_contract(llama):
@@ -442,6 +456,9 @@ def test_base_lr_crop_keeps_low_rank_store_consistent():
 
 # -- Python objects ----------------------------------------------------------------------------------------------
 def test_enabled_model_pickles_and_deepcopies_enabled(llama):
+    """Pickled and deep-copied models come back enabled and generate the same tokens, with and without a cache.
+
+    Planted bug that fails it: ``_new_enabled`` does not set the enabled class (the copy is a plain model)."""
     ids = torch.randint(3, 128, (1, 12))
     ref = llama.generate(ids, **GEN)
     for clone in (pickle.loads(pickle.dumps(llama)), copy.deepcopy(llama)):
@@ -453,6 +470,9 @@ def test_enabled_model_pickles_and_deepcopies_enabled(llama):
 
 
 def test_deepcopy_cache_copies_tensors_not_the_model(llama):
+    """A deep copy has its own K/V tensors, equal to the original's, and shares the model and the store.
+
+    Planted bug that fails it: ``KVReuseCache._shared_attrs`` includes ``"layers"`` (the copy shares K/V)."""
     cache, ids = _make("direct", llama)
     llama.generate(ids, cache=cache, **GEN)
     dup = copy.deepcopy(cache)
@@ -472,7 +492,10 @@ def test_positional_generation_config_is_validated(llama):
 
 
 def test_cache_kept_when_the_other_keyword_is_none(llama):
-    """``generate(cache=c, past_key_values=None)`` uses ``c`` (it was dropped after assembly before)."""
+    """``generate(cache=c, past_key_values=None)`` uses ``c`` (it was dropped after assembly before).
+
+    Planted bug that fails it: ``_one_cache_keyword`` collects every cache keyword present, ``None`` included
+    (``if n in kwargs``): the call is refused as two different caches."""
     ids_a, ids_b = agent_prompts(29)
     cache = OptimisticCache(llama, ids_b, *_donor(llama, ids_a), max_optimistic_tokens=0)
     out = llama.generate(ids_b, cache=cache, past_key_values=None, return_dict_in_generate=True, **GEN)
