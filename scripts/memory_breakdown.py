@@ -11,7 +11,11 @@ CUDA, growth above the level right before the call):
 * the parts on their own: the K/V of the prompt (bytes, computed), assembly alone, the exact prefill alone
   (one forward into a fresh DynamicCache), and a block cache (DirectReuseCache, BlendCache) assembly.
 
-    python scripts/memory_breakdown.py [--ctx 2048] [--new-tokens 24] [--device cpu]
+    python scripts/memory_breakdown.py [--ctx 2048] [--new-tokens 24] [--device cpu] [--parts] [--variants ...]
+
+On glibc the resident figures include what malloc keeps mapped after tensors are freed (fragmentation of its
+heaps, one arena per thread); run with ``MALLOC_MMAP_THRESHOLD_=131072`` to see close to the live tensor bytes
+(every tensor above 128 KiB is then its own mapping, returned to the OS when freed).
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.timing import PeakMemory
 
 MiB = 2**20
+VARIANTS = {  # OptimisticCache keyword arguments
+    "optimistic": {},
+    "optimistic_release": dict(release_donor=True),
+    "optimistic_chunk512": dict(background_chunk_tokens=512),
+    "optimistic_release_chunk512": dict(release_donor=True, background_chunk_tokens=512),
+}
 
 
 class Phases:
@@ -92,6 +102,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=2, help="repeat every measurement; the table keeps the largest")
+    ap.add_argument("--variants", nargs="+", default=["optimistic", "optimistic_release"], choices=list(VARIANTS))
+    ap.add_argument("--parts", action="store_true", help="also the exact prefill alone and the assembly alone")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,10 +137,12 @@ def main():
     full = peak(lambda: model.generate(ids, **gen))
     res["full_generate_mib"] = full.peak_mib
     # 2. the exact prefill alone: one forward into a fresh DynamicCache (what the background job does)
-    bg = BackgroundPrefill(model, ids[:, : n - 1], synchronous=True)
-    pre = peak(lambda: (bg.__init__(model, ids[:, : n - 1], synchronous=True), bg.start(), bg._cache)[-1])
-    res["exact_prefill_alone_mib"] = pre.peak_mib
-    del bg
+    if args.parts:
+        def prefill_alone():
+            job = BackgroundPrefill(model, ids[:, : n - 1], synchronous=True)
+            job.start()
+            return job._cache
+        res["exact_prefill_alone_mib"] = peak(prefill_alone).peak_mib
 
     # 3. OptimisticCache, traced by phase
     phases = Phases()
@@ -146,14 +160,16 @@ def main():
         return out
 
     try:
-        for key, release in (("optimistic", False), ("optimistic_release", True)):
+        for key in args.variants:
+            kw = VARIANTS[key]
+            release = kw.get("release_donor", False)
             opt = None
             for _ in range(args.reps):
                 # release_donor frees the donor it is given: hand it a private copy, made before measuring
                 dc = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in kv_of(donor_cache)], model.config) \
                     if release else donor_cache
                 with PeakMemory(dev, trace=True) as mem:
-                    out = optimistic(dc, release_donor=release)
+                    out = optimistic(dc, **kw)
                 del out, dc
                 table = phase_table(mem, phases) if dev.type == "cpu" else []
                 if opt is None or mem.peak_bytes > opt[0].peak_bytes:
@@ -164,11 +180,12 @@ def main():
         phases.restore()
 
     # 4. assembly alone (no generate, no background job)
-    def assemble_only():
-        cache = OptimisticCache(model, input_ids=ids, donor_cache=donor_cache, donor_ids=donor.sequences)
-        cache._assemble()
-        return cache
-    res["optimistic_assemble_alone_mib"] = peak(assemble_only).peak_mib
+    if args.parts:
+        def assemble_only():
+            cache = OptimisticCache(model, input_ids=ids, donor_cache=donor_cache, donor_ids=donor.sequences)
+            cache._assemble()
+            return cache
+        res["optimistic_assemble_alone_mib"] = peak(assemble_only).peak_mib
 
     # 5. block caches: the prompt cut into 6 blocks, precomputed standalone (not measured)
     store = ChunkStore()
@@ -183,16 +200,15 @@ def main():
     f = res["full_generate_mib"]
     print(f"\nK/V of the prompt (one copy)            {res['kv_mib']:8.1f} MiB")
     print(f"full prefill generate                   {f:8.1f} MiB   1.00x")
-    print(f"exact prefill alone (background job)    {res['exact_prefill_alone_mib']:8.1f} MiB")
-    print(f"OptimisticCache assembly alone          {res['optimistic_assemble_alone_mib']:8.1f} MiB")
-    print(f"OptimisticCache generate                {res['optimistic_generate_mib']:8.1f} MiB   "
-          f"{res['optimistic_generate_mib'] / f:.2f}x")
-    print(f"OptimisticCache(release_donor) generate {res['optimistic_release_generate_mib']:8.1f} MiB   "
-          f"{res['optimistic_release_generate_mib'] / f:.2f}x")
+    if args.parts:
+        print(f"exact prefill alone (background job)    {res['exact_prefill_alone_mib']:8.1f} MiB")
+        print(f"OptimisticCache assembly alone          {res['optimistic_assemble_alone_mib']:8.1f} MiB")
+    for key in args.variants:
+        print(f"{key:39s} {res[key + '_generate_mib']:8.1f} MiB   {res[key + '_generate_mib'] / f:.2f}x")
     for name in ("direct", "blend-0.15"):
         print(f"{name:10s} generate                     {res[name + '_generate_mib']:8.1f} MiB   "
               f"{res[name + '_generate_mib'] / f:.2f}x")
-    for key in ("optimistic", "optimistic_release"):
+    for key in args.variants:
         if res[f"{key}_phases"]:
             print(f"\n{key} phases (resident growth over the level before generate, MiB):")
             print(f"{'phase':22s} {'start':>8s} {'peak':>8s} {'end':>8s} {'s':>7s}")
