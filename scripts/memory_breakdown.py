@@ -81,7 +81,7 @@ def phase_table(mem: PeakMemory, phases: Phases) -> list[dict]:
         inside = [g for t, g in tl if t0 <= t <= t1]
         before = [g for t, g in tl if t <= t0]
         after = [g for t, g in tl if t >= t1]
-        end = after[0] if after else (inside[-1] if inside else 0)
+        end = after[0] if after else (inside[-1] if inside else (before[-1] if before else 0))
         rows.append(dict(phase=name, start_mib=(before[-1] if before else 0) / MiB,
                          peak_mib=max(inside + [end], default=0) / MiB, end_mib=end / MiB,
                          seconds=t1 - t0))
@@ -102,7 +102,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=2, help="repeat every measurement; the table keeps the largest")
-    ap.add_argument("--variants", nargs="+", default=["optimistic", "optimistic_release"], choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--parts", action="store_true", help="also the exact prefill alone and the assembly alone")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = ap.parse_args()
