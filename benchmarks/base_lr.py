@@ -7,7 +7,8 @@ Two parts, every variant side by side in one run (CPU machines drift; ratios are
    reflect 32/32, reflect 8/8``), every prefill length multiplied by ``--scale`` (0.25 on CPU: ~4.4k tokens).
    The new tokens are real SQuAD text; each turn decodes exactly its budget. Per variant: time to first token
    (sum over the trace and per turn), per-request throughput (generated tokens / end-to-end seconds of the
-   turn, as single-stream requests), the adapter-free rebuild time (after_turn), and the K/V memory.
+   turn, as single-stream requests), the adapter-free rebuild time (after_turn), the K/V memory, and the peak
+   memory growth of the largest turn (hf_kvreuse.timing.PeakMemory) beside nonshared's (full prefill per agent).
 2. **Accuracy** on held-out SQuAD items (articles unseen by the adapters) as ReAct episodes: ``plan`` writes
    ``Thought/Action: Retrieve[topic]``; the environment appends a ~``--observation``-token observation (the
    answering passage among others) that ``plan`` reads while writing its next thought; ``act`` writes
@@ -35,7 +36,7 @@ import hf_kvreuse
 from hf_kvreuse import BaseLRCache, TokenTimer
 from hf_kvreuse import react
 from hf_kvreuse.datasets import passages_for, squad
-from hf_kvreuse.timing import now
+from hf_kvreuse.timing import PeakMemory, now
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -77,13 +78,14 @@ def run_trace(pm, trace, text_ids, method, schedule) -> dict:
         pos += n_new
         pm.set_adapter(agent)
         timer = TokenTimer()
-        t0 = timer.start().t0
-        seq = pm.generate(input_ids=seq, cache=cache, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False,
-                          streamer=timer)
-        e2e = now() - t0
+        with PeakMemory(seq.device, interval_s=0.004) as peak:
+            t0 = timer.start().t0
+            seq = pm.generate(input_ids=seq, cache=cache, max_new_tokens=n_dec, min_new_tokens=n_dec,
+                              do_sample=False, streamer=timer)
+            e2e = now() - t0
         st = cache.stats.last
         turns.append(dict(agent=agent, prefill_tokens=st.prefill_tokens, ttft_s=timer.ttft_s, e2e_s=e2e,
-                          generated=n_dec, rebase_s=st.rebase_s))
+                          generated=n_dec, rebase_s=st.rebase_s, mem_mib=peak.peak_mib))
     base = cache.kv_bytes() - cache.lr_bytes()
     mem = dict(kv_bytes=cache.kv_bytes(), lr_bytes={a: cache.lr_bytes(a) for a in pm.peft_config},
                base_bytes=base if method != "nonshared" else None)
@@ -123,6 +125,11 @@ def efficiency(pm, tok, items, args) -> dict:
                                               for a, e in zip(ref, e2e)),
             rebase_s=statistics.median(sum(t["rebase_s"] for t in r["turns"]) for r in reps),
             kv_mb=mem["kv_bytes"] / 2**20,
+            # peak memory growth of the trace's largest turn (its generate, rebuild included), and per repeat
+            # its ratio to nonshared's, whose agents each prefill into a plain cache (full prefill)
+            peak_turn_mem_mib=statistics.median(max(t["mem_mib"] for t in r["turns"]) for r in reps),
+            mem_ratio=statistics.median(max(t["mem_mib"] for t in r["turns"]) /
+                                        max(1e-9, max(t["mem_mib"] for t in a["turns"])) for a, r in zip(ref, reps)),
             lr_per_agent_pct=(100 * max(mem["lr_bytes"].values()) / mem["base_bytes"]) if mem["base_bytes"] else None,
             per_turn_ttft_s=[statistics.median(x) for x in zip(*per_turn)]))
     return dict(trace=trace, rows=rows, runs=runs)
@@ -234,6 +241,8 @@ def main() -> None:
         ("throughput", lambda r: f"{r['throughput_tok_s']:.1f} tok/s ({r['throughput_gain']:.2f}x)"),
         ("rebuild", lambda r: f"{r['rebase_s']:.2f} s"),
         ("K/V", lambda r: f"{r['kv_mb']:.1f} MiB"),
+        ("peak turn mem", lambda r: f"{r['peak_turn_mem_mib']:.0f} MiB" if "peak_turn_mem_mib" in r else "-"),
+        ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-"),
         ("LR per extra agent", lambda r: "-" if r["lr_per_agent_pct"] is None else f"{r['lr_per_agent_pct']:.1f}%"),
     ]))
     if acc:

@@ -42,7 +42,17 @@ def summarize(samples: list[dict]) -> dict:
                 e2e_ratio=med(lambda s: s["opt_e2e"] / s["full_e2e"]),
                 swap_step=med(lambda s: s["swap_step"] if s["swap_step"] is not None else s["generated_tokens"]),
                 divergent_tokens=med(lambda s: s["divergent_tokens"] or 0),
-                identical_rate=sum(s["identical"] for s in samples) / len(samples))
+                identical_rate=sum(s["identical"] for s in samples) / len(samples),
+                **memory_summary(samples, "full_mem_mib", "opt_mem_mib"))
+
+
+def memory_summary(samples: list[dict], ref_key: str, key: str, prefix: str = "") -> dict:
+    """Medians of the peak memory growth (MiB) of a method and of full prefill, and of their per-sample ratio."""
+    if not samples or key not in samples[0] or ref_key not in samples[0]:
+        return {}
+    med = lambda f: statistics.median(f(s) for s in samples)  # noqa: E731
+    return {f"{prefix}{ref_key}": med(lambda s: s[ref_key]), f"{prefix}{key}": med(lambda s: s[key]),
+            f"{prefix}mem_ratio": med(lambda s: s[key] / max(s[ref_key], 1e-9))}
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, Callable[[dict], str]]]) -> str:
@@ -64,4 +74,10 @@ TIMING_COLUMNS = [
     ("E2E full", seconds("full_e2e_s", digits=2)), ("E2E opt", seconds("opt_e2e_s", digits=2)),
     ("E2E ratio", lambda r: f"{r['e2e_ratio']:.2f}"),
     ("swap step", lambda r: f"{r['swap_step']:.0f}"),
+]
+# peak memory growth during generate (hf_kvreuse.timing.PeakMemory), full prefill and the method side by side
+MEMORY_COLUMNS = [
+    ("mem full", lambda r: f"{r['full_mem_mib']:.0f} MiB" if "full_mem_mib" in r else "-"),
+    ("mem opt", lambda r: f"{r['opt_mem_mib']:.0f} MiB" if "opt_mem_mib" in r else "-"),
+    ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-"),
 ]

@@ -12,7 +12,9 @@ next agent is run side by side, in alternating order, with
 
 TTFT and end-to-end times come from a streamer that timestamps every token (same for both methods); every run
 generates exactly ``--max-new-tokens`` tokens (EOS is suppressed) so end-to-end times compare the same work.
-Ratios are taken per transition, then the median over transitions is reported. Writes JSON and a PNG plot.
+Ratios are taken per transition, then the median over transitions is reported. Each run's peak memory growth
+(hf_kvreuse.timing.PeakMemory: resident memory above the level before ``generate``) is reported beside full
+prefill's. Writes JSON and a PNG plot.
 
     python benchmarks/optimistic.py [--contexts 512 1024 2048] [--role-tokens 32 128] [--reps 5]
 """
@@ -35,23 +37,28 @@ from hf_kvreuse import OptimisticCache, TokenTimer
 from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
 from hf_kvreuse.compat import output_cache
 from hf_kvreuse.datasets import contains_answer, context_for, squad
+from hf_kvreuse.timing import PeakMemory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import TIMING_COLUMNS, floor_seconds, markdown_table, summarize  # noqa: E402
+from common import MEMORY_COLUMNS, TIMING_COLUMNS, floor_seconds, markdown_table, summarize  # noqa: E402
 
 
 def run_full(model, ids, gen):
-    timer = TokenTimer().start()
-    out = model.generate(ids, streamer=timer, return_dict_in_generate=True, **gen)
+    with PeakMemory(ids.device, interval_s=0.004) as mem:
+        timer = TokenTimer().start()
+        out = model.generate(ids, streamer=timer, return_dict_in_generate=True, **gen)
+    timer.mem_mib = mem.peak_mib
     return out, timer
 
 
-def run_optimistic(model, ids, donor, gen, max_optimistic_tokens):
+def run_optimistic(model, ids, donor, gen, max_optimistic_tokens, release_donor=False):
     cache = OptimisticCache(model, input_ids=ids, donor_cache=output_cache(donor), donor_ids=donor.sequences,
-                            max_optimistic_tokens=max_optimistic_tokens)
-    timer = TokenTimer().start()
-    out = model.generate(ids, cache=cache, streamer=timer, **gen)
+                            max_optimistic_tokens=max_optimistic_tokens, release_donor=release_donor)
+    with PeakMemory(ids.device, interval_s=0.004) as mem:
+        timer = TokenTimer().start()
+        out = model.generate(ids, cache=cache, streamer=timer, **gen)
+    timer.mem_mib = mem.peak_mib
     return out, timer, cache.stats
 
 
@@ -63,6 +70,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-optimistic-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--release-donor", action="store_true",
+                    help="OptimisticCache(release_donor=True): the donor (never used again here) is freed while the "
+                         "optimistic cache is assembled")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "optimistic.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the table and plot from --out")
     args = ap.parse_args()
@@ -97,15 +107,16 @@ def main():
                     n = ids.shape[1]
                     if (rep + k) % 2:  # alternate the order: machines drift
                         full, tf = run_full(model, ids, gen)
-                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens)
+                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens, args.release_donor)
                     else:
-                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens)
+                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens, args.release_donor)
                         full, tf = run_full(model, ids, gen)
                     fl = floor_seconds(model, ids, output_cache(full), st.new_tokens)
                     full_text = tok.decode(full.sequences[0, n:], skip_special_tokens=True)
                     opt_text = tok.decode(opt[0, n:], skip_special_tokens=True)
                     s = dict(rep=rep, agent=agent.name, prompt_tokens=n, full_ttft=tf.ttft_s, full_e2e=tf.total_s,
-                             opt_ttft=to.ttft_s, opt_e2e=to.total_s, floor=fl, **st.as_dict(),
+                             opt_ttft=to.ttft_s, opt_e2e=to.total_s, floor=fl, full_mem_mib=tf.mem_mib,
+                             opt_mem_mib=to.mem_mib, **st.as_dict(),
                              identical=bool(torch.equal(opt, full.sequences)),
                              first_token_agrees=bool(opt[0, n] == full.sequences[0, n]),
                              full_correct=contains_answer(full_text, item.answers),
@@ -113,7 +124,8 @@ def main():
                     samples.append(s)
                     print(f"ctx {ctx} role {role} rep {rep} {agent.name:8s} N={n} full {tf.ttft_s:.3f}/{tf.total_s:.3f}s "
                           f"opt {to.ttft_s:.3f}/{to.total_s:.3f}s floor {fl:.3f}s new {st.new_tokens} "
-                          f"swap@{st.swap_step} div {st.divergent_tokens} same={s['identical']}", flush=True)
+                          f"swap@{st.swap_step} div {st.divergent_tokens} same={s['identical']} "
+                          f"mem full {tf.mem_mib:.0f} / opt {to.mem_mib:.0f} MiB", flush=True)
                     earlier.append((agent.name, full_text.strip()))
                     donor = full
             row = dict(context_tokens=ctx, role_tokens=role, **summarize(samples),
@@ -126,7 +138,7 @@ def main():
     meta = dict(command=" ".join([Path(sys.executable).name] + sys.argv), date=time.strftime("%Y-%m-%d %H:%M"),
                 torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
                 cpu=platform.processor() or platform.machine(), max_new_tokens=args.max_new_tokens,
-                max_optimistic_tokens=args.max_optimistic_tokens)
+                max_optimistic_tokens=args.max_optimistic_tokens, release_donor=args.release_donor)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print_table(rows)
@@ -136,7 +148,7 @@ def main():
 
 def print_table(rows):
     columns = [("shared ctx", lambda r: str(r["context_tokens"])), ("role tok", lambda r: str(r["role_tokens"])),
-               *TIMING_COLUMNS, ("divergent", lambda r: f"{r['divergent_tokens']:.0f}"),
+               *TIMING_COLUMNS, *MEMORY_COLUMNS, ("divergent", lambda r: f"{r['divergent_tokens']:.0f}"),
                ("identical", lambda r: f"{r['identical_rate']:.0%}"),
                ("acc full/opt", lambda r: f"{r['full_accuracy']:.0%}/{r['opt_accuracy']:.0%}")]
     print("\n" + markdown_table(rows, columns))

@@ -5,6 +5,8 @@ the GPU machine): SmolLM2-135M's shape and a Llama-3.2-1B / 3B shape, where pref
 are random tokens: agent A = role_A ⊕ shared block, agent B = role_B ⊕ shared block ⊕ A's answer. For every
 (model, shared length) the script runs, side by side and alternating, full prefill and OptimisticCache (donor =
 A's cache), plus the floor prefill(new tokens) + one decode step, and first checks exactness in float32.
+Peak memory growth of each generate (``torch.cuda.max_memory_allocated`` above the level before it, through
+hf_kvreuse.timing.PeakMemory) is reported beside full prefill's.
 Runs with torch 2.11 / transformers 5.17 and newer. Writes JSON (and a PNG if matplotlib is present).
 
     python benchmarks/optimistic_gpu.py                       # on a CUDA machine
@@ -26,10 +28,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import hf_kvreuse
 from hf_kvreuse import OptimisticCache, TokenTimer
 from hf_kvreuse.compat import cache_kwargs, output_cache
+from hf_kvreuse.timing import PeakMemory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import TIMING_COLUMNS, floor_seconds, markdown_table, seconds, summarize  # noqa: E402
+from common import MEMORY_COLUMNS, TIMING_COLUMNS, floor_seconds, markdown_table, seconds, summarize  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -110,6 +113,8 @@ def main():
     ap.add_argument("--max-optimistic-tokens", type=int, default=None,
                     help="default None: swap as soon as the side stream is done")
     ap.add_argument("--background-start", default="auto", choices=["auto", "immediate", "after_first_token"])
+    ap.add_argument("--background-chunk-tokens", type=int, default=None,
+                    help="chunked background prefill: bounds its activations (measure the time it costs)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "optimistic_gpu.json")
@@ -124,7 +129,8 @@ def main():
                 torch=torch.__version__, transformers=transformers.__version__, device=str(device),
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None, dtype=args.dtype,
                 role_tokens=args.role_tokens, answer_tokens=args.answer_tokens, max_new_tokens=args.max_new_tokens,
-                max_optimistic_tokens=args.max_optimistic_tokens, background_start=args.background_start)
+                max_optimistic_tokens=args.max_optimistic_tokens, background_start=args.background_start,
+                background_chunk_tokens=args.background_chunk_tokens)
     print(json.dumps(meta))
     checks = check_exactness(device)
     print("exactness checks (fp32):", checks, flush=True)
@@ -143,27 +149,33 @@ def main():
                                             device, seed=rep)
                 donor, dids = donor_output(model, ids_a, ans)
                 res = {}
+                mem = {}
                 for method in (("full", "opt") if rep % 2 == 0 else ("opt", "full")):
-                    timer = TokenTimer(device).start()
-                    if method == "full":
-                        out = model.generate(ids_b, streamer=timer, return_dict_in_generate=True, **gen)
-                        res["full"] = (timer.ttft_s, timer.total_s, out)
-                    else:
+                    if method == "opt":
                         cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids,
                                                 max_optimistic_tokens=args.max_optimistic_tokens,
-                                                background_start=args.background_start)
-                        out = model.generate(ids_b, cache=cache, streamer=timer, **gen)
-                        res["opt"] = (timer.ttft_s, timer.total_s, out, cache.stats)
+                                                background_start=args.background_start,
+                                                background_chunk_tokens=args.background_chunk_tokens)
+                    with PeakMemory(device) as m:
+                        timer = TokenTimer(device).start()
+                        if method == "full":
+                            out = model.generate(ids_b, streamer=timer, return_dict_in_generate=True, **gen)
+                        else:
+                            out = model.generate(ids_b, cache=cache, streamer=timer, **gen)
+                    mem[method] = m.peak_mib
+                    res[method] = (timer.ttft_s, timer.total_s, out) + ((cache.stats,) if method == "opt" else ())
                 st = res["opt"][3]
                 fl = floor_seconds(model, ids_b, output_cache(res["full"][2]), st.new_tokens)
                 n = ids_b.shape[1]
                 s = dict(full_ttft=res["full"][0], full_e2e=res["full"][1], opt_ttft=res["opt"][0],
-                         opt_e2e=res["opt"][1], floor=fl, prompt_tokens=n,
+                         opt_e2e=res["opt"][1], floor=fl, prompt_tokens=n, full_mem_mib=mem["full"],
+                         opt_mem_mib=mem["opt"],
                          identical=bool(torch.equal(res["opt"][2], res["full"][2].sequences)), **st.as_dict())
                 samples.append(s)
                 print(f"{shape} ctx {ctx} rep {rep}: full {s['full_ttft']*1e3:.1f}/{s['full_e2e']*1e3:.0f} ms, "
                       f"opt {s['opt_ttft']*1e3:.1f}/{s['opt_e2e']*1e3:.0f} ms, floor {fl*1e3:.1f} ms, "
-                      f"swap@{st.swap_step}, bg {st.background_prefill_s and st.background_prefill_s*1e3:.0f} ms",
+                      f"swap@{st.swap_step}, bg {st.background_prefill_s and st.background_prefill_s*1e3:.0f} ms, "
+                      f"mem full {mem['full']:.0f} / opt {mem['opt']:.0f} MiB",
                       flush=True)
             rows.append(dict(model=shape, context_tokens=ctx, **summarize(samples), samples=samples))
         del model
@@ -175,7 +187,7 @@ def main():
     ms = {"TTFT full": "full_ttft_s", "TTFT opt": "opt_ttft_s", "floor": "floor_s", "E2E full": "full_e2e_s",
           "E2E opt": "opt_e2e_s"}
     columns = [("model", lambda r: r["model"]), ("shared ctx", lambda r: str(r["context_tokens"]))] + [
-        (h, seconds(ms[h], 1e3, "ms", 1) if h in ms else f) for h, f in TIMING_COLUMNS]
+        (h, seconds(ms[h], 1e3, "ms", 1) if h in ms else f) for h, f in TIMING_COLUMNS] + MEMORY_COLUMNS
     print("\n" + markdown_table(rows, columns))
     print(f"wrote {args.out}")
 

@@ -10,7 +10,8 @@ method assembles the same prompt, side by side with full prefill:
 
 Reported per context length (medians over questions): TTFT and its speed-up over full prefill (ratios taken
 per question), the fraction of prompt tokens recomputed, agreement with full prefill (identical answer, same
-first token) and task accuracy (gold answer contained in the answer). Writes JSON and a PNG plot.
+first token), task accuracy (gold answer contained in the answer), and the peak memory growth of each
+``generate`` beside full prefill's (hf_kvreuse.timing.PeakMemory). Writes JSON and a PNG plot.
 
     python benchmarks/reuse_baselines.py [--contexts 1024 2048] [--questions 8]
 """
@@ -32,6 +33,7 @@ import hf_kvreuse
 from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, OffsetCache, TailRecomputeCache,
                         TokenTimer, segment_prompt)
 from hf_kvreuse.datasets import contains_answer, passages_for, squad
+from hf_kvreuse.timing import PeakMemory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -98,21 +100,24 @@ def main():
                 store.get_or_compute(model, ids[0, s:e])
                 store.get_or_compute(model, ids[0, s:e], prefix_ids=prefix)
             n = ids.shape[1]
-            timer = TokenTimer().start()
-            full = model.generate(ids, streamer=timer, **gen)
+            with PeakMemory(ids.device, interval_s=0.004) as mem:
+                timer = TokenTimer().start()
+                full = model.generate(ids, streamer=timer, **gen)
             full_text = tok.decode(full[0, n:], skip_special_tokens=True)
-            res = dict(question=q, prompt_tokens=n, chunks=len(spans), full_ttft=timer.ttft_s,
+            res = dict(question=q, prompt_tokens=n, chunks=len(spans), full_ttft=timer.ttft_s, full_mem_mib=mem.peak_mib,
                        full_correct=contains_answer(full_text, item.answers))
-            line = f"ctx {ctx} q {q} N={n} chunks={len(spans)} full {timer.ttft_s:.3f}s"
+            line = f"ctx {ctx} q {q} N={n} chunks={len(spans)} full {timer.ttft_s:.3f}s {mem.peak_mib:.0f} MiB"
             for name, make in METHODS.items():
                 cache = make(model, ids, spans, store, sys_ids)
-                t = TokenTimer().start()
-                out = model.generate(ids, cache=cache, streamer=t, **gen)
+                with PeakMemory(ids.device, interval_s=0.004) as mem:
+                    t = TokenTimer().start()
+                    out = model.generate(ids, cache=cache, streamer=t, **gen)
                 text = tok.decode(out[0, n:], skip_special_tokens=True)
                 res[name] = dict(ttft=t.ttft_s, recompute_frac=cache.stats.recomputed_tokens / (n - 1),
                                  identical=bool(torch.equal(out, full)), first_token=bool(out[0, n] == full[0, n]),
-                                 correct=contains_answer(text, item.answers), store_misses=cache.stats.store_misses)
-                line += f" | {name} {t.ttft_s:.3f}s same={res[name]['identical']}"
+                                 correct=contains_answer(text, item.answers), store_misses=cache.stats.store_misses,
+                                 mem_mib=mem.peak_mib)
+                line += f" | {name} {t.ttft_s:.3f}s {mem.peak_mib:.0f} MiB same={res[name]['identical']}"
             print(line, flush=True)
             samples.append(res)
         for name in METHODS:
@@ -128,7 +133,11 @@ def main():
                              first_token_agreement=sum(r["first_token"] for r in rs) / len(rs),
                              accuracy=sum(r["correct"] for r in rs) / len(rs),
                              full_accuracy=sum(s["full_correct"] for s in samples) / len(samples),
-                             store_misses=sum(r["store_misses"] for r in rs)))
+                             store_misses=sum(r["store_misses"] for r in rs),
+                             full_mem_mib=statistics.median(s["full_mem_mib"] for s in samples),
+                             mem_mib=statistics.median(r["mem_mib"] for r in rs),
+                             mem_ratio=statistics.median(s[name]["mem_mib"] / max(s["full_mem_mib"], 1e-9)
+                                                         for s in samples)))
     meta = dict(command=" ".join(["python"] + sys.argv), date=time.strftime("%Y-%m-%d %H:%M"),
                 torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
                 max_new_tokens=args.max_new_tokens)
@@ -141,7 +150,10 @@ def main():
                ("recomputed", lambda r: f"{r['recompute_frac']:.0%}"),
                ("same answer", lambda r: f"{r['identical_rate']:.0%}"),
                ("same 1st token", lambda r: f"{r['first_token_agreement']:.0%}"),
-               ("acc (full)", lambda r: f"{r['accuracy']:.0%} ({r['full_accuracy']:.0%})")]
+               ("acc (full)", lambda r: f"{r['accuracy']:.0%} ({r['full_accuracy']:.0%})"),
+               ("mem full", lambda r: f"{r['full_mem_mib']:.0f} MiB" if "full_mem_mib" in r else "-"),
+               ("mem", lambda r: f"{r['mem_mib']:.0f} MiB" if "mem_mib" in r else "-"),
+               ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-")]
     print("\n" + markdown_table(rows, columns))
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -85,6 +85,70 @@ def empty_kv(like: KV, length: int) -> KV:
             for k, v in like]
 
 
+def alloc_layer(like: torch.Tensor, length: int) -> torch.Tensor:
+    """An *uninitialised* ``[B, H, length, D]`` tensor like ``like`` (callers write every row before reading)."""
+    return like.new_empty(*like.shape[:-2], length, like.shape[-1])
+
+
+def kv_nbytes(kv: Cache | KV) -> int:
+    """Bytes held by the K and V tensors of every layer."""
+    return sum(t.numel() * t.element_size() for k, v in kv_of(kv) for t in (k, v))
+
+
+def release_layer(cache: Cache | KV, layer_idx: int) -> None:
+    """Drop one layer's K/V from ``cache`` (their memory is freed unless someone else holds the tensors).
+
+    The layer is left holding empty tensors: the cache cannot serve any more, only be discarded.
+    """
+    if isinstance(cache, list):
+        k, v = cache[layer_idx]
+        cache[layer_idx] = (k.new_empty(0), v.new_empty(0))
+        return
+    layer = cache.layers[layer_idx]
+    keys = getattr(layer, "keys", None)
+    if isinstance(keys, torch.Tensor):
+        layer.keys, layer.values = keys.new_empty(0), layer.values.new_empty(0)
+
+
+def release_kv(cache: Cache | KV) -> None:
+    """Drop every layer's K/V from ``cache`` (see :func:`release_layer`)."""
+    for i in range(len(cache) if isinstance(cache, list) else len(cache.layers)):
+        release_layer(cache, i)
+
+
+def copy_shifted_(dst: torch.Tensor, src: torch.Tensor, shifter=None, delta: int = 0, chunk: int = 512) -> None:
+    """``dst[:] = src`` re-positioned by ``delta`` tokens (keys; values pass ``delta=0``), in place.
+
+    Same arithmetic as :meth:`hf_kvreuse.rope.RopeShifter.shift` (float32 rotation), but written straight into
+    ``dst`` ``[B, H, T, D]`` with temporaries of at most ``chunk`` tokens: no full-size index_select or rotated
+    copy per layer.
+    """
+    if delta == 0 or shifter is None:
+        dst.copy_(src)
+        return
+    cos, sin = shifter.cos_sin(torch.tensor([delta]), src.device)  # [1, rot]
+    if getattr(shifter, "layout", "half") != "half":  # interleaved pairs: the shifter's own rotation, chunk by chunk
+        for c0 in range(0, src.shape[-2], chunk):
+            dst[..., c0:c0 + chunk, :].copy_(shifter.shift(src[..., c0:c0 + chunk, :], None, (cos, sin)))
+        return
+    rot = cos.shape[-1]
+    half = rot // 2
+    cos, sin = cos[0], sin[0]
+    T = src.shape[-2]
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        s = src[..., c0:c1, :rot].float()
+        # rotate_half(s) * sin, built in one buffer: [-s2 * sin1, s1 * sin2]
+        r = torch.empty_like(s)
+        torch.mul(s[..., half:], sin[:half], out=r[..., :half])
+        r[..., :half].neg_()
+        torch.mul(s[..., :half], sin[half:], out=r[..., half:])
+        r.add_(s * cos)
+        dst[..., c0:c1, :rot].copy_(r)
+        if rot < dst.shape[-1]:
+            dst[..., c0:c1, rot:].copy_(src[..., c0:c1, rot:])
+
+
 def load_kv(cache: Cache, kv: KV) -> Cache:
     """Replace the contents of ``cache``'s layers with ``kv`` (lazily initialising empty layers)."""
     if len(kv) != len(cache.layers):

@@ -1,6 +1,7 @@
 """The benchmark scripts stay runnable: a smoke run of the GPU script on CPU with a tiny model."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,13 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the scripts import hf_kvreuse from this checkout (not from wherever the venv's editable install points)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
 
 def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "optimistic_gpu.py"), "--device", "cpu",
                            "--preset", "tiny", "--reps", "2", "--dtype", "float32", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert all(res["checks"][k] for k in ("zero_optimistic_equals_generate", "self_donor_equals_generate",
@@ -28,7 +31,7 @@ def test_base_lr_benchmark_smoke(tmp_path):
     """benchmarks/base_lr.py end to end on a tiny trace (shipped SmolLM2 role adapters)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_lr.py"), "--scale", "0.02", "--repeats",
                            "1", "--items", "1", "--observation", "96", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((tmp_path / "base_lr.json").read_text())
     rows = {r["variant"]: r for r in res["efficiency"]["rows"]}

@@ -17,7 +17,7 @@ from hf_kvreuse.generation import background
 from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.generation.partial import _ScatterCache, partial_forward
 from hf_kvreuse.model_check import UnsupportedModelError, check_model
-from hf_kvreuse.rope import RopeShifter, UnsupportedRopeError
+from hf_kvreuse.rope import UnsupportedRopeError
 
 from conftest import agent_prompts, assert_kv_close, exact_prefill
 from test_block_reuse import rag_prompt

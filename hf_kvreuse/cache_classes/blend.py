@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from ..generation.partial import partial_forward
+from ..generation.partial import _ScatterCache, _decoder, partial_forward, run_layers
 from ..kv import KV
 from .block_reuse import BlockReuseCache
 
@@ -63,7 +63,7 @@ class BlendCache(BlockReuseCache):
         saved = [(k.clone(), v.clone()) for k, v in kv[1: c + 1]]
         old = kv[c][1 if self.deviation == "values" else 0].clone()
         everything = torch.arange(covered, device=device)
-        hidden = partial_forward(self.model, ids, everything, kv, layers=range(0, c + 1))
+        hidden = self._layer_pass(ids, everything, kv, range(0, c + 1))
         new = kv[c][1 if self.deviation == "values" else 0]
         dev = ((new - old).float() ** 2).sum(dim=(0, 1, 3))  # [covered]
         candidates = torch.nonzero(reused).flatten()
@@ -75,7 +75,32 @@ class BlendCache(BlockReuseCache):
         for (k, v), (ok, ov) in zip(kv[1: c + 1], saved):
             k[..., keep_old, :] = ok[..., keep_old, :]
             v[..., keep_old, :] = ov[..., keep_old, :]
+        del saved, old, new
         if rows.numel() and c + 1 < len(kv):
-            partial_forward(self.model, ids, rows, kv, layers=range(c + 1, len(kv)), hidden_states=hidden[:, rows])
+            selected = hidden[:, rows]
+            del hidden  # every row's hidden states: not needed past the check layer
+            self._layer_pass(ids, rows, kv, range(c + 1, len(kv)), selected)
         self.selected_rows = picked.sort().values
         return rows
+
+    def _layer_pass(self, ids: torch.Tensor, rows: torch.Tensor, kv: KV, layers: range,
+                    hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``partial_forward`` over a layer range, with a lighter mask under sdpa.
+
+        The position mask of :func:`partial_forward` is ``|rows| x N`` floats: with every row (the first
+        layers) that is N² floats (280 MB at 8k tokens). Under sdpa, all rows in order need no mask at all (the
+        causal kernel, as full prefill), and a subset of rows gets a boolean mask (4x smaller). Eager attention
+        keeps the additive mask.
+        """
+        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
+            return partial_forward(self.model, ids, rows, kv, layers=layers, hidden_states=hidden)
+        base = _decoder(self.model)
+        n = kv[0][0].shape[-2]
+        if hidden is None:
+            hidden = base.embed_tokens(ids[:, rows.to(ids.device)])
+        if rows.numel() == n:  # every row, in order: plain causal attention
+            mask = None
+        else:
+            mask = (torch.arange(n, device=rows.device)[None, :] <= rows[:, None])[None, None]
+        h = run_layers(self.model, layers, hidden, rows[None], mask, _ScatterCache(self.model.config, kv, rows))
+        return base.norm(h) if layers.stop >= len(base.layers) else h

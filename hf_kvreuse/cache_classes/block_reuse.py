@@ -18,7 +18,7 @@ import torch
 
 from ..chunk_store import ChunkStore, KVChunk, model_fingerprint
 from ..generation.partial import partial_forward
-from ..kv import KV, empty_kv, load_kv
+from ..kv import KV, alloc_layer, copy_shifted_, load_kv
 from ..rope import RopeShifter
 from ..timing import now
 from .base import KVReuseCache
@@ -156,25 +156,42 @@ class BlockReuseCache(KVReuseCache):
         self.stats.assemble_s = now(self.input_ids.device) - t0
 
     def assemble_blocks(self) -> KV:
-        """Full-length K/V of the covered prompt with every block placed (other rows zero)."""
+        """Full-length K/V of the covered prompt with every block placed (other rows zero).
+
+        Layer by layer, straight into each layer's storage (the RoPE re-positioning runs in place, in chunks of
+        tokens): no full-size rotated temporaries. Only the rows outside blocks are zeroed (a recompute may run
+        before all of them are written, and masked columns must still hold finite numbers).
+        """
         covered = self.input_ids.shape[1] - 1
-        kv = None
         self._producer = model_fingerprint(self.model)  # once per assembly, not per block
         self.chunks: dict[tuple[int, int], KVChunk] = {}
         for s, e in self.blocks:
-            chunk = self.chunks[(s, e)] = self.block_chunk(s, e)
-            if kv is None:
-                kv = empty_kv(chunk.kv, covered)
-            delta = torch.full((e - s,), s - chunk.start, dtype=torch.long)
-            cos_sin = self._shifter.cos_sin(delta, chunk.kv[0][0].device)
-            for (dk, dv), (k, v) in zip(kv, chunk.kv):
-                dk[..., s:e, :] = self._shifter.shift(k, delta, cos_sin) if s != chunk.start else k
-                dv[..., s:e, :] = v
-        if kv is None:  # no blocks: plain prefill of everything
+            self.chunks[(s, e)] = self.block_chunk(s, e)
+        if not self.blocks:  # no blocks: plain prefill of everything
             p = next(self.model.parameters())
             mc = self.model_check  # K/V geometry as the model's own cache stores it
             z = torch.zeros(1, mc.kv_heads, covered, mc.head_dim, dtype=p.dtype, device=p.device)
-            kv = [(z.clone(), z.clone()) for _ in range(len(self.layers))]
+            return [(z.clone(), z.clone()) for _ in range(len(self.layers))]
+        gaps, prev = [], 0
+        for s, e in self.blocks:
+            if s > prev:
+                gaps.append((prev, s))
+            prev = e
+        if prev < covered:
+            gaps.append((prev, covered))
+        first = self.chunks[self.blocks[0]].kv
+        kv = []
+        for layer in range(len(first)):
+            dk, dv = alloc_layer(first[layer][0], covered), alloc_layer(first[layer][1], covered)
+            for a, b in gaps:
+                dk[..., a:b, :].zero_()
+                dv[..., a:b, :].zero_()
+            for s, e in self.blocks:
+                chunk = self.chunks[(s, e)]
+                k, v = chunk.kv[layer]
+                copy_shifted_(dk[..., s:e, :], k.to(dk.device), self._shifter, s - chunk.start)
+                dv[..., s:e, :].copy_(v)
+            kv.append((dk, dv))
         return kv
 
 

@@ -30,7 +30,7 @@ from ..alignment import Alignment, align_token_ids
 from ..compat import cache_kwargs
 from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.partial import partial_forward
-from ..kv import empty_kv, kv_length, kv_of, load_kv
+from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
 from ..timing import now
 from .base import KVReuseCache, as_batch1
@@ -103,13 +103,18 @@ class OptimisticCache(KVReuseCache):
     on_early_finish : {"swap", "cancel"}, default="swap"
         If generation ends before the swap: "swap" waits and replays so the returned cache is exact;
         "cancel" stops the background job and leaves the optimistic cache (``stats.exact`` is False).
+    release_donor : bool, default=False
+        The donor is not needed after this call: its K/V are freed layer by layer while the optimistic cache is
+        assembled (so the optimistic copy takes the donor's place in memory), and in any case when ``generate``
+        returns. ``donor_cache`` is left empty and cannot serve again. Default: the donor is read, never
+        modified.
     """
 
     def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache, donor_ids: torch.Tensor, *,
                  max_optimistic_tokens: int | None = 16, record_divergence: bool = True, min_span: int = 4,
                  background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
                  background_chunk_tokens: int | None = None, background_threads: int | None = None,
-                 on_early_finish: Literal["swap", "cancel"] = "swap"):
+                 on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -131,6 +136,7 @@ class OptimisticCache(KVReuseCache):
         self.background_chunk_tokens = background_chunk_tokens
         self.background_threads = background_threads
         self.on_early_finish = on_early_finish
+        self.release_donor = release_donor
         self.stats = OptimisticStats()
         self.alignment: Alignment | None = None
         self.job: BackgroundPrefill | None = None
@@ -200,31 +206,37 @@ class OptimisticCache(KVReuseCache):
 
     @torch.no_grad()
     def _assemble(self) -> None:
-        donor_kv = kv_of(self.donor_cache)
+        donor_kv = list(kv_of(self.donor_cache))
         covered = self.input_ids.shape[1] - 1
         al = align_token_ids(self.donor_ids, self.input_ids, min_span=self.min_span,
                              donor_limit=self._donor_len, target_limit=covered)
         self.alignment = al
         device = donor_kv[0][0].device
-        t2d = al.target_to_donor().to(device)
-        matched = torch.nonzero(t2d >= 0).flatten()
-        src = t2d[matched]
-        kv = empty_kv(donor_kv, covered)
-        if matched.numel():
-            delta = matched - src
-            cos_sin = self._shifter.cos_sin(delta, device) if bool((delta != 0).any()) else None
-            for (dk, dv), (k, v) in zip(kv, donor_kv):
-                keys = k.index_select(-2, src)
-                if cos_sin is not None:
-                    keys = self._shifter.shift(keys, delta, cos_sin)
-                dk.index_copy_(-2, matched, keys)
-                dv.index_copy_(-2, matched, v.index_select(-2, src))
-        unmatched = torch.nonzero(t2d < 0).flatten()
+        t2d = al.target_to_donor()
+        # Layer by layer, span by span, straight into uninitialised storage: every row is written before it
+        # is read (matched rows here, unmatched ones by partial_forward before their layer attends), so no
+        # zero fill, no full-length index_select or rotated temporaries. With release_donor each donor layer
+        # is dropped as soon as it is copied: the optimistic cache then takes the donor's place in memory.
+        kv = []
+        for i in range(len(donor_kv)):
+            k, v = donor_kv[i]
+            dk, dv = alloc_layer(k, covered), alloc_layer(v, covered)
+            for sp in al.spans:
+                t, d, n = sp.target_start, sp.donor_start, sp.length
+                copy_shifted_(dk[..., t:t + n, :], k[..., d:d + n, :], self._shifter, sp.delta)
+                dv[..., t:t + n, :].copy_(v[..., d:d + n, :])
+            kv.append((dk, dv))
+            del k, v
+            if self.release_donor:
+                donor_kv[i] = None
+                release_layer(self.donor_cache, i)
+        del donor_kv
+        unmatched = torch.nonzero(t2d < 0).flatten().to(device)
         if unmatched.numel():
             partial_forward(self.model, self.input_ids[:, :covered].to(device), unmatched, kv)
         load_kv(self, kv)
         self.logical_offset = 0
-        self.stats.reused_tokens = int(matched.numel())
+        self.stats.reused_tokens = al.matched
         self.stats.prefix_tokens = al.prefix_len
         self.stats.new_tokens = int(unmatched.numel())
 
@@ -249,6 +261,7 @@ class OptimisticCache(KVReuseCache):
         if not self.job.started:
             self._start_background()
         kv = self.job.result()
+        self.job._cache = None  # the exact K/V now live in this cache only: freed as decoding moves on
         self.stats.wait_s += now(self.input_ids.device) - t
         self._restore_threads()
         load_kv(self, kv)
@@ -303,6 +316,8 @@ class OptimisticCache(KVReuseCache):
                 self._count_divergence(out.logits[0], sequences[0, n:])
             self._replay = None
         finally:
+            if self.release_donor and self.donor_cache is not None:
+                release_kv(self.donor_cache)
             self.donor_cache = None  # the donor is not needed any more; do not keep its memory alive
             if job is not None:
                 if job.ready():
