@@ -192,16 +192,23 @@ def _probe_layers(model, report: ModelCheck, ids, kv0, tol: float) -> None:
     n_layers = len(kv0)
     cut = max(1, n_layers // 2)
     try:
-        kv = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv0]
-        rows = torch.arange(n)
-        h = partial_forward(model, ids, rows, kv, layers=range(0, cut))
-        if cut < n_layers:
-            partial_forward(model, ids, rows, kv, layers=range(cut, n_layers), hidden_states=h)
+        pairs = []
+        # every row in order, then the second half after exact first-half rows (two mask forms under sdpa)
+        for rows in (torch.arange(n), torch.arange(n // 2, n)):
+            kv = [(k.clone(), v.clone()) for k, v in kv0]
+            for k, v in kv:
+                k[..., rows, :] = 0
+                v[..., rows, :] = 0
+            h = partial_forward(model, ids, rows, kv, layers=range(0, cut))
+            if cut < n_layers:
+                partial_forward(model, ids, rows, kv, layers=range(cut, n_layers), hidden_states=h)
+            pairs += [t for (k, v), (rk, rv) in zip(kv, kv0) for t in ((k, rk), (v, rv))]
     except Exception as e:  # noqa: BLE001
         report.layers_reason = (f"{report.model_type}: layer-range recompute is not available for this model "
                                 f"({type(e).__name__}: {e})")
         return
-    err, where = _max_rel([t for (k, v), (rk, rv) in zip(kv, kv0) for t in ((k, rk), (v, rv))])
+    err, where = _max_rel(pairs)
+    where %= 2 * n_layers
     report.layers_error = err
     if not err <= tol:
         report.layers_reason = (f"{report.model_type}: running its decoder layers directly does not reproduce the "

@@ -289,7 +289,7 @@ def test_thread_counts_restored(llama):
     assert background.ThreadBudget.running() == 0
 
 
-def test_concurrent_generate_calls_match_sequential(arch_model):
+def test_concurrent_generate_calls_match_sequential(arch_model, held_background):
     """Two generate calls with caches in two Python threads at once give the tokens (and exact caches) they give
     one after the other, and the thread budget is back to where it was.
 

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from ..generation.partial import _ScatterCache, _decoder, partial_forward, run_layers
+from ..generation.partial import partial_forward
 from ..kv import KV
 from .block_reuse import BlockReuseCache
 
@@ -85,22 +85,5 @@ class BlendCache(BlockReuseCache):
 
     def _layer_pass(self, ids: torch.Tensor, rows: torch.Tensor, kv: KV, layers: range,
                     hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """``partial_forward`` over a layer range, with a lighter mask under sdpa.
-
-        The position mask of :func:`partial_forward` is ``|rows| x N`` floats: with every row (the first
-        layers) that is N² floats (280 MB at 8k tokens). Under sdpa, all rows in order need no mask at all (the
-        causal kernel, as full prefill), and a subset of rows gets a boolean mask (4x smaller). Eager attention
-        keeps the additive mask.
-        """
-        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
-            return partial_forward(self.model, ids, rows, kv, layers=layers, hidden_states=hidden)
-        base = _decoder(self.model)
-        n = kv[0][0].shape[-2]
-        if hidden is None:
-            hidden = base.embed_tokens(ids[:, rows.to(ids.device)])
-        if rows.numel() == n:  # every row, in order: plain causal attention
-            mask = None
-        else:
-            mask = (torch.arange(n, device=rows.device)[None, :] <= rows[:, None])[None, None]
-        h = run_layers(self.model, layers, hidden, rows[None], mask, _ScatterCache(self.model.config, kv, rows))
-        return base.norm(h) if layers.stop >= len(base.layers) else h
+        # partial_forward keeps the mask small under sdpa (none for all rows, boolean for a subset)
+        return partial_forward(self.model, ids, rows, kv, layers=layers, hidden_states=hidden)

@@ -130,14 +130,20 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
     if positions is None:
         positions = torch.arange(n, device=device)
     row_pos = positions[rows]
-    mask = position_causal_mask(row_pos, positions, kv[0][0].dtype, col_valid)
     cache = _ScatterCache(model.config, kv, rows)
+    mask = position_causal_mask(row_pos, positions, kv[0][0].dtype, col_valid)
     if layers is not None:
         base = _decoder(model)
         if hidden_states is None:
             if layers.start != 0:
                 raise ValueError("a layer range that does not start at layer 0 needs the rows' hidden_states")
             hidden_states = base.embed_tokens(input_ids[:, rows.to(input_ids.device)])
+        if getattr(model.config, "_attn_implementation", None) == "sdpa" and col_valid is None:
+            # the |rows| x N float mask is N^2 floats for all rows (280 MB at 8k tokens): under sdpa every row in
+            # order needs no mask (the causal kernel, as full prefill) and a subset takes a boolean one (4x
+            # smaller). The model check probes both forms on each model (model_check._probe_layers).
+            in_order = rows.numel() == n and bool((row_pos == torch.arange(n, device=device)).all())
+            mask = None if in_order else (positions[None, :] <= row_pos[:, None])[None, None]
         h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
         cache.check_writes(model, layers)
         return base.norm(h) if layers.stop >= len(base.layers) else h
