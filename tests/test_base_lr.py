@@ -92,7 +92,10 @@ def factor(pm, layer, proj, agent):
 # -- correctness gates -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
 def test_single_agent_equals_plain_generate(pm, method):
-    """One agent alone: every method is plain generate with that adapter (tokens and logits)."""
+    """One agent alone: every method is plain generate with that adapter (tokens and logits).
+
+    Planted bug that fails it ([llama-prelrshared]): ``lowrank_attention`` drops the scaling ``s`` of the
+    ``(P·L)·B`` term (decode steps)."""
     ids = rand_ids(20)
     pm.set_adapter("act")
     ref = pm.generate(input_ids=ids, max_new_tokens=8, output_scores=True, return_dict_in_generate=True, **GEN)
@@ -118,7 +121,10 @@ def test_adapters_change_the_output(pm_llama):
 
 
 def test_nonshared_equals_plain_generate_every_turn(pm):
-    """The baseline keeps one exact cache per agent: every turn equals plain generate of the full prompt."""
+    """The baseline keeps one exact cache per agent: every turn equals plain generate of the full prompt.
+
+    Planted bug that fails it: ``prepare`` keys the nonshared caches by ``self.agent`` (None unless fixed) instead
+    of the turn's agent, so every agent reuses one cache."""
     cache = BaseLRCache(pm, method="nonshared")
     outs = run_trace(pm, cache, TRACE)
     prev = torch.empty(1, 0, dtype=torch.long)
@@ -144,7 +150,10 @@ def test_shared_prefills_only_new_tokens(pm_llama, method):
 
 # -- PReCache invariants ----------------------------------------------------------------------------------------
 def test_prelrshared_lr_caches_equal_writer_states_times_A(pm):
-    """PreLRShared: after the plan turn, every adapter's LR cache is X_plan·A_j and the base is plan's K/V."""
+    """PreLRShared: after the plan turn, every adapter's LR cache is X_plan·A_j and the base is plan's K/V.
+
+    Planted bug that fails it: the split ``v_proj``/``k_proj`` forward returns peft's adapted projection
+    (``original(module, x)``) instead of ``module.base_layer(x)``."""
     cache = BaseLRCache(pm, method="prelrshared")
     pm.set_adapter("plan")
     out = pm.generate(input_ids=rand_ids(16), cache=cache, max_new_tokens=4, **GEN)
@@ -174,7 +183,9 @@ def test_prelrshared_lr_caches_equal_writer_states_times_A(pm):
 
 
 def test_rebaseshared_base_equals_adapter_free_forward(pm):
-    """ReBaseShared: base K/V equal an adapter-free forward; other agents' LR = X_neutral·A over each turn."""
+    """ReBaseShared: base K/V equal an adapter-free forward; other agents' LR = X_neutral·A over each turn.
+
+    Planted bug that fails it: ``_rebase`` runs without ``self.model.disable_adapter()``."""
     cache = BaseLRCache(pm, method="rebaseshared")
     outs = run_trace(pm, cache, TRACE)
     T = outs[-1].shape[1] - 1
@@ -196,7 +207,10 @@ def test_rebaseshared_base_equals_adapter_free_forward(pm):
 
 
 def test_rebaseshared_own_turn_lr_is_adapted_pass_over_neutral_prefix(pm_llama):
-    """The active agent's LR over its own turn comes from its adapted pass over the neutral prefix."""
+    """The active agent's LR over its own turn comes from its adapted pass over the neutral prefix.
+
+    Planted bug that fails it: ``_rebase`` rewrites every adapter's LR, the turn's own included
+    (``others = self.adapters``). (Skipping the rebase fails it too, by the write-schedule RuntimeError.)"""
     pm = pm_llama
     cache = BaseLRCache(pm, method="rebaseshared")
     outs = run_trace(pm, cache, TRACE[:2])
@@ -231,7 +245,9 @@ def test_rebaseshared_own_turn_lr_is_adapted_pass_over_neutral_prefix(pm_llama):
 
 
 def test_alongside_equals_after_turn(pm):
-    """DB (a second adapter-free batch row) and LP (re-prefill after the turn) give the same caches."""
+    """DB (a second adapter-free batch row) and LP (re-prefill after the turn) give the same caches.
+
+    Planted bug that fails it: ``finish`` (alongside) keeps the adapted row as the new base (``keys[:1]``)."""
     caches, outs = {}, {}
     for schedule in ("after_turn", "alongside"):
         caches[schedule] = BaseLRCache(pm, method="rebaseshared", schedule=schedule)
@@ -252,15 +268,23 @@ def test_alongside_equals_after_turn(pm):
 
 @pytest.mark.parametrize("limit", [None, 0])
 def test_lowrank_and_transient_value_paths_agree(pm, limit):
-    """Always low-rank (P·V + s·(P·L)·B) or always the transient V + s·L·B: same tokens, same logits."""
+    """Always low-rank (P·V + s·(P·L)·B) or always the transient V + s·L·B: the same tokens as the default, which
+    takes the transient path for the first prefill (20 > 16 queries) and the low-rank one for every decode step.
+    (With ``TRACE``, whose prefills are all <= 16 tokens, the default is always low-rank, so ``limit=None``
+    compared a path with itself and could not fail.)
+
+    Planted bug that fails it (both limits): ``lowrank_attention`` drops the scaling ``s`` of the ``(P·L)·B``
+    term."""
+    trace = [("plan", 20, 5)] + TRACE[1:]
     outs = []
     for lim in (16, limit):
         cache = BaseLRCache(pm, method="prelrshared", lowrank_max_queries=lim)
-        outs.append(run_trace(pm, cache, TRACE)[-1])
+        outs.append(run_trace(pm, cache, trace)[-1])
     assert torch.equal(outs[0], outs[1])
 
 
 def test_lowrank_attention_equals_materialised_values():
+    """Planted bug that fails it: ``lowrank_attention``'s default causal mask uses ``<`` instead of ``<=``."""
     from hf_kvreuse.lora import lowrank_attention
 
     g = torch.Generator().manual_seed(0)
@@ -275,6 +299,10 @@ def test_lowrank_attention_equals_materialised_values():
 
 
 def test_eager_attention_matches_sdpa():
+    """Eager and sdpa attention through the LR attention give the same tokens over the trajectory.
+
+    Planted bug that fails it: ``lowrank_attention`` reads eager's additive float mask as a boolean one
+    (``w.masked_fill(~m.bool(), -inf)``)."""
     outs = []
     for attn in ("sdpa", "eager"):
         pm = multi_lora("llama", targets=("k_proj", "v_proj"), attn=attn)
@@ -285,7 +313,10 @@ def test_eager_attention_matches_sdpa():
 
 
 def test_edited_trajectory_is_cropped_to_common_prefix(pm_llama):
-    """ids that do not extend the cached tokens: the cache keeps the common prefix, and stays exact."""
+    """ids that do not extend the cached tokens: the cache keeps the common prefix, and stays exact.
+
+    Planted bug that fails it: ``prepare`` crops the base K/V but not the LR store (fails loudly: the LR cache's
+    length check raises)."""
     pm = pm_llama
     cache = BaseLRCache(pm, method="prelrshared")
     pm.set_adapter("plan")

@@ -37,7 +37,10 @@ def rag_prompt(seed=0, n_docs=3, doc_len=20):
 
 @pytest.mark.parametrize("method", list(METHODS) + ["offset"])
 def test_self_control_equals_full_prefill(arch_model, method):
-    """Blocks computed under their own prefix: any method reproduces full prefill."""
+    """Blocks computed under their own prefix: any method reproduces full prefill.
+
+    Planted bug that fails it: ``BlockReuseCache.prefix_for`` returns ``input_ids[0, :s - 1]`` for "own" (the
+    block's prefix one token short): [llama-direct] fails on the tokens, [llama-offset] on the anchor check."""
     cls, none_kw, _ = METHODS.get(method, (OffsetCache, {}, None))
     ids, _, spans = rag_prompt()
     cache = cls(arch_model, ids, spans, block_prefix_ids="own", **none_kw)
@@ -51,6 +54,10 @@ def test_self_control_equals_full_prefill(arch_model, method):
 
 @pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m][2] is not None])
 def test_full_recompute_equals_full_prefill(arch_model, method):
+    """Repairing everything is full prefill (tokens and first logits).
+
+    Planted bug that fails it ([llama-tail]): ``EdgeRecomputeCache.extra_rows`` caps each block's rows at
+    ``e - s - 1`` (one reused row per block is never recomputed)."""
     cls, _, all_kw = METHODS[method]
     ids, _, spans = rag_prompt(1)
     cache = cls(arch_model, ids, spans, **all_kw)
@@ -85,7 +92,10 @@ def test_zero_recompute_equals_direct_reuse(arch_model, method):
 
 
 def test_direct_reuse_is_not_exact_but_blend_repairs(llama):
-    """Standalone blocks change the output; the reused rows' K/V above layer 0 differ from full prefill."""
+    """Standalone blocks change the output; the reused rows' K/V above layer 0 differ from full prefill.
+
+    Planted bug that fails it: ``BlockReuseCache.assemble_blocks`` places block keys without the RoPE shift
+    (layer-0 keys then differ from full prefill)."""
     ids, _, spans = rag_prompt(3)
     ref_cache, _ = exact_prefill(llama, ids[:, :-1])
     direct = DirectReuseCache(llama, ids, spans)
@@ -105,6 +115,10 @@ def test_direct_reuse_is_not_exact_but_blend_repairs(llama):
 
 
 def test_shuffled_block_order_and_store_reuse(llama):
+    """Blocks given as ids in any order are located, stored once and reused from the store under another prompt;
+    blocks given by span reuse them with the same tokens.
+
+    Planted bug that fails it: ``find_blocks`` records each span one token short (``(s, s + n - 1)``)."""
     ids, docs, spans = rag_prompt(4)
     store = ChunkStore()
     by_ids = DirectReuseCache(llama, ids, [docs[2], docs[0], docs[1]], store=store)  # any order, located by ids
@@ -136,6 +150,11 @@ def test_block_errors(llama):
 
 
 def test_chunk_store_lru_budget_and_keys(llama):
+    """LRU eviction under the byte budget; prefix and model are part of the key; a chunk computed under a prefix
+    has the K/V of a plain prefill there.
+
+    Planted bug that fails it: ``ChunkStore.key`` ignores ``prefix_ids`` (a prefixed lookup returns the standalone
+    chunk)."""
     ids = torch.randint(3, 128, (1, 30))
     store = ChunkStore()
     c = store.get_or_compute(llama, ids[0, :10])
@@ -157,6 +176,11 @@ def test_chunk_store_lru_budget_and_keys(llama):
 
 
 def test_offset_cache(llama):
+    """Layer 0 untouched; above it each block row moves by one per-block offset (values, RoPE-free keys).
+
+    Planted bug that fails it: ``OffsetCache._apply_offset`` un-rotates block keys by ``+pos`` instead of
+    ``-pos`` (``cs_blk = sh.cos_sin(pos, dev)``). (Also applying the offset at layer 0 does not fail it: the
+    anchor's layer-0 K/V are context-free, so that offset is zero.)"""
     ids, docs, spans = rag_prompt(6)
     with pytest.raises(ValueError, match="prefix"):
         OffsetCache(llama, ids, spans)

@@ -9,6 +9,9 @@ from conftest import assert_kv_close, exact_prefill as _prefill
 
 
 def test_slice_cat_scatter_round_trip(llama):
+    """Slicing, concatenating and scattering K/V round-trip to the original tensors.
+
+    Planted bug that fails it: ``scatter_kv`` copies the source keys into the values (``dv.index_copy_(-2, i, sk)``)."""
     ids = torch.randint(3, 128, (1, 20))
     cache, _ = _prefill(llama, ids)
     kv = kv_of(cache)
@@ -25,6 +28,7 @@ def test_slice_cat_scatter_round_trip(llama):
 
 
 def test_mask_equals_dense_reference():
+    """Planted bug that fails it: ``position_causal_mask`` compares ``col_pos < row_pos`` (a row cannot see itself)."""
     pos = torch.tensor([0, 1, 2, 5, 6, 9])
     rows = torch.tensor([1, 3, 5])
     valid = torch.tensor([True, True, False, True, True, True])
@@ -38,6 +42,7 @@ def test_mask_equals_dense_reference():
 
 
 def test_partial_forward_all_rows_equals_full_prefill(arch_model):
+    """Planted bug that fails it: ``position_causal_mask`` compares ``col_pos < row_pos`` (logits differ)."""
     ids = torch.randint(3, 128, (1, 24))
     ref, ref_logits = _prefill(arch_model, ids)
     kv = empty_kv(kv_of(ref), 24)
@@ -47,7 +52,10 @@ def test_partial_forward_all_rows_equals_full_prefill(arch_model):
 
 
 def test_partial_forward_rows_on_exact_cache_are_exact(arch_model):
-    """Recomputing any row subset on top of exact K/V reproduces those rows (no future leak)."""
+    """Recomputing any row subset on top of exact K/V reproduces those rows (no future leak).
+
+    Planted bug that fails it: ``position_causal_mask`` allows every column (the research code's future leak).
+    (``_ScatterCache.update`` returning only the new rows fails it too, by a mask size error.)"""
     ids = torch.randint(3, 128, (1, 30))
     ref, _ = _prefill(arch_model, ids)
     kv = [(k.clone(), v.clone()) for k, v in kv_of(ref)]
@@ -73,7 +81,9 @@ def test_logical_length_of_compressed_cache(llama):
 
 
 def test_layer_ranges_compose_to_full_prefill(arch_model):
-    """Layers [0, c) for all rows, then [c, L) for all rows == one full forward (the engine's layer path)."""
+    """Layers [0, c) for all rows, then [c, L) for all rows == one full forward (the engine's layer path).
+
+    Planted bug that fails it: ``partial_forward`` with ``layers=`` never applies the final norm (``return h``)."""
     ids = torch.randint(3, 128, (1, 20))
     ref, ref_logits = _prefill(arch_model, ids)
     kv = empty_kv(kv_of(ref), 20)
@@ -86,7 +96,10 @@ def test_layer_ranges_compose_to_full_prefill(arch_model):
 
 
 def test_layer_range_subset_rows_is_exact_on_exact_cache(arch_model):
-    """CacheBlend's shape: all rows through layer 0, a row subset through the rest, on exact K/V elsewhere."""
+    """CacheBlend's shape: all rows through layer 0, a row subset through the rest, on exact K/V elsewhere.
+
+    Planted bug that fails it: ``run_layers`` computes RoPE at positions ``0..R-1`` instead of ``position_ids``
+    (all-rows ranges, as in the test above, do not see it)."""
     ids = torch.randint(3, 128, (1, 24))
     ref, _ = _prefill(arch_model, ids)
     kv = [(k.clone(), v.clone()) for k, v in kv_of(ref)]

@@ -28,6 +28,11 @@ def _prefill(model, ids, start):
 
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_shift_equals_fresh_prefill_at_shifted_positions(rope):
+    """Every layer's keys of a prefill at ``0..`` shifted by ``d`` equal a prefill's at ``d..`` (values unchanged),
+    for each supported rope type.
+
+    Planted bug that fails it ([linear], not [default]): ``RopeShifter`` computes ``inv_freq`` from a hand-written
+    ``theta=10000`` instead of the module's buffer (the model check refuses the model, the test errors)."""
     model = _model(rope)
     assert check_rope_supported(model) == rope
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
