@@ -148,7 +148,9 @@ def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
         pairs += [(shifter.shift(k0, PROBE_SHIFT), k1), (v0, v1)]
     err, where = _max_rel(pairs)
     report.invariance_error = err
-    if not err <= tol:
+    # moving a whole context re-rounds every layer in half precision (SmolLM2-135M bf16: 0.03 over 30 layers);
+    # an absolute-position term changes the states by order 1
+    if not err <= (tol if tol < 1e-2 else 0.25):
         what = "keys" if where % 2 == 0 else "values"
         report.rope_reason = (f"{report.model_type}: the model's {what} of layer {where // 2} depend on absolute "
                               f"positions beyond RoPE (a block moved by {PROBE_SHIFT} positions differs from the "
