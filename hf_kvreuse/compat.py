@@ -1,19 +1,83 @@
-"""Differences between the transformers releases we support (5.17 to 5.2x).
+"""Differences between the transformers releases we support (4.57.1 and every 5.x up to 5.24; README, Tested
+versions). Everything that depends on the release lives here; the rest of the package calls these helpers.
 
-transformers renamed the cache keyword of model forwards and ``prepare_inputs_for_generation`` from
-``past_key_values`` to ``cache`` (5.2x; HF_API.md §0). Every forward the library issues itself goes through
-:func:`cache_kwargs`, and every place that receives one reads it with :func:`pop_cache`.
+* the cache keyword of model forwards, ``generate`` and ``prepare_inputs_for_generation``: ``past_key_values``
+  before 5.2x, ``cache`` after (HF_API.md §0). Every forward the library issues itself goes through
+  :func:`cache_kwargs`, and every place that receives one reads it with :func:`find_cache`;
+* the output field: ``.past_key_values`` / ``.cache`` (:func:`output_cache`);
+* how ``generate`` tells ``prepare_inputs_for_generation`` which trailing tokens to feed: the
+  ``next_sequence_length`` argument from 5.3, a ``cache_position`` tensor before (:func:`prepare_inputs`);
+* mask sizing: before 5.17 the causal mask is sized from ``cache_position`` and each layer's
+  ``get_mask_sizes``; 5.17 added ``Cache.get_query_offset``. Both read the physical length as long as
+  ``KVReuseCache.logical_offset`` is 0, which every cache keeps (:data:`HAS_QUERY_OFFSET`);
+* cache layers: ``DynamicCache(config=...)`` builds one ``DynamicLayer`` per decoder layer on every supported
+  release; ``lazy_initialization`` takes the keys only on 4.x, keys and values on 5.x (:func:`init_layer`);
+* configs: RoPE scaling is ``rope_parameters`` (with ``rope_theta`` inside) on 5.x, ``rope_scaling`` plus a
+  separate ``rope_theta`` on 4.x (:func:`config_kwargs`).
 """
 
 from __future__ import annotations
 
 import inspect
 
-from transformers import GenerationMixin
+import torch
+import transformers
+from transformers import Cache, GenerationMixin
 
-CACHE_KW = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
-    else "past_key_values"
+TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+MIN_TRANSFORMERS = "4.57.1"
+
+_PREPARE_PARAMS = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+CACHE_KW = "cache" if "cache" in _PREPARE_PARAMS else "past_key_values"
 CACHE_NAMES = ("cache", "past_key_values")
+#: 5.3+: generate passes ``next_sequence_length`` (tokens to feed); before, a ``cache_position`` tensor
+HAS_NEXT_SEQUENCE_LENGTH = "next_sequence_length" in _PREPARE_PARAMS
+#: 5.17+: the causal mask asks the cache for the query offset (``Cache.get_query_offset``)
+HAS_QUERY_OFFSET = hasattr(Cache, "get_query_offset")
+
+
+def init_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Lazily initialise an empty cache layer for ``keys`` / ``values`` (dtype, device, shapes)."""
+    if getattr(layer, "is_initialized", False):
+        return
+    if len(inspect.signature(layer.lazy_initialization).parameters) >= 2:
+        layer.lazy_initialization(keys, values)
+    else:  # 4.x: keys only
+        layer.lazy_initialization(keys)
+
+
+def config_kwargs(overrides: dict) -> dict:
+    """Model-config keyword arguments written for 5.x, translated for this release.
+
+    ``rope_parameters={"rope_type": ..., "rope_theta": ..., ...}`` becomes ``rope_scaling`` (without the theta)
+    plus ``rope_theta`` on 4.x; 4.x longrope reads ``original_max_position_embeddings`` from the config itself.
+    """
+    if TRANSFORMERS_VERSION >= (5, 0) or "rope_parameters" not in overrides:
+        return dict(overrides)
+    out = dict(overrides)
+    params = dict(out.pop("rope_parameters") or {})
+    if "rope_theta" in params:
+        out["rope_theta"] = params.pop("rope_theta")
+    if params.get("rope_type", "default") != "default":
+        out["rope_scaling"] = params
+    if params.get("rope_type") == "longrope" and "original_max_position_embeddings" in params:
+        out.setdefault("original_max_position_embeddings", params["original_max_position_embeddings"])
+    return out
+
+
+def prepare_inputs(prepare, input_ids: torch.Tensor, next_sequence_length: int | None, kwargs: dict) -> dict:
+    """Call ``GenerationMixin.prepare_inputs_for_generation`` (``prepare``, bound) so that it feeds the last
+    ``next_sequence_length`` tokens of ``input_ids`` (None: what ``generate`` chose), on every release.
+
+    Releases before 5.3 select the tokens with ``cache_position`` (their absolute positions); ``generate`` keeps
+    its own copy and advances it from the last position, so a longer feed (a replay) continues correctly.
+    """
+    if HAS_NEXT_SEQUENCE_LENGTH:
+        return prepare(input_ids, next_sequence_length=next_sequence_length, **kwargs)
+    if next_sequence_length is not None:
+        n = input_ids.shape[1]
+        kwargs = dict(kwargs, cache_position=torch.arange(n - next_sequence_length, n, device=input_ids.device))
+    return prepare(input_ids, **kwargs)
 
 
 def cache_kwargs(cache) -> dict:

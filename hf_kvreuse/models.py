@@ -86,6 +86,8 @@ def tiny_config(arch: str = "llama", **overrides):
     """A small config of the given architecture: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 128."""
     import transformers
 
+    from .compat import config_kwargs
+
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=False)
@@ -97,7 +99,7 @@ def tiny_config(arch: str = "llama", **overrides):
         common["head_dim"] = 16
     if arch == "mistral":
         common["sliding_window"] = None
-    common.update(overrides)
+    common.update(config_kwargs(overrides))
     return classes[arch](**common)
 
 

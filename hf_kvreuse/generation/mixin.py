@@ -18,7 +18,7 @@ from __future__ import annotations
 from transformers import GenerationMixin
 
 from ..cache_classes.base import KVReuseCache
-from ..compat import CACHE_KW, find_cache
+from ..compat import CACHE_KW, find_cache, prepare_inputs
 
 _ENABLED: dict[type, type] = {}
 
@@ -68,7 +68,7 @@ class KVReuseGenerationMixin(GenerationMixin):
         cache = find_cache(kwargs)
         if isinstance(cache, KVReuseCache):
             next_sequence_length, extra = cache.before_forward(input_ids, next_sequence_length)
-        inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length, **kwargs)
+        inputs = prepare_inputs(super().prepare_inputs_for_generation, input_ids, next_sequence_length, kwargs)
         inputs.update(extra)
         return inputs
 
