@@ -12,6 +12,8 @@ versions). Everything that depends on the release lives here; the rest of the pa
   ``KVReuseCache.logical_offset`` is 0, which every cache keeps (:data:`HAS_QUERY_OFFSET`);
 * cache layers: ``DynamicCache(config=...)`` builds one ``DynamicLayer`` per decoder layer on every supported
   release; ``lazy_initialization`` takes the keys only on 4.x, keys and values on 5.x (:func:`init_layer`);
+* peft: 0.17 works with transformers 4.57 only (it imports ``HybridCache``, gone in 5.0); 5.x needs peft 0.18+
+  (:func:`import_peft` says so instead of an ImportError from inside peft);
 * configs: RoPE scaling is ``rope_parameters`` (with ``rope_theta`` inside) on 5.x, ``rope_scaling`` plus a
   separate ``rope_theta`` on 4.x (:func:`config_kwargs`).
 """
@@ -34,6 +36,24 @@ CACHE_NAMES = ("cache", "past_key_values")
 HAS_NEXT_SEQUENCE_LENGTH = "next_sequence_length" in _PREPARE_PARAMS
 #: 5.17+: the causal mask asks the cache for the query offset (``Cache.get_query_offset``)
 HAS_QUERY_OFFSET = hasattr(Cache, "get_query_offset")
+
+
+MIN_PEFT_FOR_TRANSFORMERS_5 = "0.18.0"
+
+
+def import_peft():
+    """``import peft``, or an ImportError that names the peft release this transformers release needs."""
+    try:
+        import peft
+    except ImportError as e:
+        if TRANSFORMERS_VERSION >= (5, 0) and "HybridCache" in str(e):
+            from importlib.metadata import version
+
+            raise ImportError(f"peft {version('peft')} does not work with transformers {transformers.__version__}: "
+                              f"transformers 5.x needs peft>={MIN_PEFT_FOR_TRANSFORMERS_5} "
+                              f"(pip install -U 'peft>={MIN_PEFT_FOR_TRANSFORMERS_5}')") from e
+        raise
+    return peft
 
 
 def init_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
