@@ -7,12 +7,14 @@
 # A leg venv holds only the packages its spec changes (transformers, tokenizers, huggingface_hub, peft, ...);
 # torch and everything else come from the base venv (BASE_VENV, default .venv, made by `make install`) through
 # a .pth line, so torch is installed once. Leg venvs go under MATRIX_DIR (default .venvs/) and are reused
-# while their spec is unchanged. Prints each leg's pytest summary line; exits non-zero if any leg fails.
+# while their spec is unchanged. MARK (default "not slow") selects the tests; MARK= runs the whole suite.
+# Prints each leg's pytest summary line; exits non-zero if any leg fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 BASE=${BASE_VENV:-.venv}
 DIR=${MATRIX_DIR:-.venvs}
+MARK=${MARK-not slow}
 
 # the oldest supported 4.57 with the oldest supported peft; the first 5.x with the oldest peft that works on
 # transformers 5; the GPU machine's 5.17 (a middle release) with the newest peft. The newest release is the base
@@ -72,7 +74,7 @@ for spec in "${LEGS[@]}"; do
   t1=$(date +%s)
   versions=$("$venv/bin/python" -c 'import torch, transformers, peft, tokenizers, huggingface_hub as hub, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, huggingface_hub {hub.__version__}, peft {peft.__version__}")')
   echo "== leg: $versions (install $((t1 - t0)) s)"
-  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q ${MARK:+-m "$MARK"} -p no:cacheprovider \
       >"$DIR/$name.pytest.log" 2>&1
   rc=$?
   t2=$(date +%s)
@@ -84,6 +86,6 @@ for spec in "${LEGS[@]}"; do
   results+=("[$versions] $line (rc $rc, tests $((t2 - t1)) s)")
 done
 
-echo "== matrix summary (fast tests)"
+echo "== matrix summary (${MARK:-all tests})"
 printf '%s\n' "${results[@]}"
 exit $status
