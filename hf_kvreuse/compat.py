@@ -6,7 +6,8 @@ versions). Everything that depends on the release lives here; the rest of the pa
   :func:`cache_kwargs`, and every place that receives one reads it with :func:`find_cache`;
 * the output field: ``.past_key_values`` / ``.cache`` (:func:`output_cache`);
 * how ``generate`` tells ``prepare_inputs_for_generation`` which trailing tokens to feed: the
-  ``next_sequence_length`` argument from 5.3, a ``cache_position`` tensor before (:func:`prepare_inputs`);
+  ``next_sequence_length`` argument from 5.3, a ``cache_position`` tensor before 5.6 (both in 5.3 to 5.5;
+  :func:`prepare_inputs`);
 * mask sizing: before 5.17 the causal mask is sized from ``cache_position`` and each layer's
   ``get_mask_sizes``; 5.17 added ``Cache.get_query_offset``. Both read the physical length as long as
   ``KVReuseCache.logical_offset`` is 0, which every cache keeps (:data:`HAS_QUERY_OFFSET`);
@@ -34,6 +35,8 @@ CACHE_KW = "cache" if "cache" in _PREPARE_PARAMS else "past_key_values"
 CACHE_NAMES = ("cache", "past_key_values")
 #: 5.3+: generate passes ``next_sequence_length`` (tokens to feed); before, a ``cache_position`` tensor
 HAS_NEXT_SEQUENCE_LENGTH = "next_sequence_length" in _PREPARE_PARAMS
+#: before 5.6: generate passes ``cache_position`` (the positions of the tokens to feed)
+HAS_CACHE_POSITION = "cache_position" in _PREPARE_PARAMS
 #: 5.17+: the causal mask asks the cache for the query offset (``Cache.get_query_offset``)
 HAS_QUERY_OFFSET = hasattr(Cache, "get_query_offset")
 
@@ -89,14 +92,17 @@ def prepare_inputs(prepare, input_ids: torch.Tensor, next_sequence_length: int |
     """Call ``GenerationMixin.prepare_inputs_for_generation`` (``prepare``, bound) so that it feeds the last
     ``next_sequence_length`` tokens of ``input_ids`` (None: what ``generate`` chose), on every release.
 
-    Releases before 5.3 select the tokens with ``cache_position`` (their absolute positions); ``generate`` keeps
-    its own copy and advances it from the last position, so a longer feed (a replay) continues correctly.
+    Releases before 5.6 also take a ``cache_position`` tensor (the absolute positions of the fed tokens; before
+    5.3 it alone selects them): when the feed differs from what ``generate`` planned (a replay), it is rebuilt.
+    ``generate`` keeps its own copy and advances it from the last position, so the next step continues correctly.
     """
+    if next_sequence_length is not None and HAS_CACHE_POSITION:
+        planned = kwargs.get("cache_position")
+        if planned is None or planned.shape[0] != next_sequence_length:
+            n = input_ids.shape[1]
+            kwargs = dict(kwargs, cache_position=torch.arange(n - next_sequence_length, n, device=input_ids.device))
     if HAS_NEXT_SEQUENCE_LENGTH:
         return prepare(input_ids, next_sequence_length=next_sequence_length, **kwargs)
-    if next_sequence_length is not None:
-        n = input_ids.shape[1]
-        kwargs = dict(kwargs, cache_position=torch.arange(n - next_sequence_length, n, device=input_ids.device))
     return prepare(input_ids, **kwargs)
 
 

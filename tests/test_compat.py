@@ -16,6 +16,7 @@ def test_prepare_inputs_feeds_trailing_tokens_on_either_api(monkeypatch):
         seen.update(kwargs)
         return {}
 
+    monkeypatch.setattr(compat, "HAS_CACHE_POSITION", True)
     monkeypatch.setattr(compat, "HAS_NEXT_SEQUENCE_LENGTH", False)  # < 5.3: cache_position selects the tokens
     compat.prepare_inputs(prepare, ids, 3, {"cache_position": torch.tensor([9]), "use_cache": True})
     assert seen["cache_position"].tolist() == [7, 8, 9] and "next_sequence_length" not in seen
@@ -23,7 +24,11 @@ def test_prepare_inputs_feeds_trailing_tokens_on_either_api(monkeypatch):
     compat.prepare_inputs(prepare, ids, None, {"cache_position": torch.tensor([9])})
     assert seen["cache_position"].tolist() == [9]
     seen.clear()
-    monkeypatch.setattr(compat, "HAS_NEXT_SEQUENCE_LENGTH", True)
+    monkeypatch.setattr(compat, "HAS_NEXT_SEQUENCE_LENGTH", True)  # 5.3 to 5.5: both
+    compat.prepare_inputs(prepare, ids, 3, {"cache_position": torch.tensor([9])})
+    assert seen["cache_position"].tolist() == [7, 8, 9] and seen["next_sequence_length"] == 3
+    seen.clear()
+    monkeypatch.setattr(compat, "HAS_CACHE_POSITION", False)  # 5.6+
     compat.prepare_inputs(prepare, ids, 3, {})
     assert seen == {"next_sequence_length": 3}
 
