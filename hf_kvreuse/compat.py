@@ -2,15 +2,16 @@
 versions). Everything that depends on the release lives here; the rest of the package calls these helpers.
 
 * the cache keyword of model forwards, ``generate`` and ``prepare_inputs_for_generation``: ``past_key_values``
-  before 5.2x, ``cache`` after (HF_API.md §0). Every forward the library issues itself goes through
+  before 5.24, ``cache`` from 5.24 (HF_API.md §0). Every forward the library issues itself goes through
   :func:`cache_kwargs`, and every place that receives one reads it with :func:`find_cache`;
 * the output field: ``.past_key_values`` / ``.cache`` (:func:`output_cache`);
 * how ``generate`` tells ``prepare_inputs_for_generation`` which trailing tokens to feed: the
   ``next_sequence_length`` argument from 5.3, a ``cache_position`` tensor before 5.6 (both in 5.3 to 5.5;
   :func:`prepare_inputs`);
-* mask sizing: before 5.17 the causal mask is sized from ``cache_position`` and each layer's
-  ``get_mask_sizes``; 5.17 added ``Cache.get_query_offset``. Both read the physical length as long as
-  ``KVReuseCache.logical_offset`` is 0, which every cache keeps (:data:`HAS_QUERY_OFFSET`);
+* mask sizing: the causal mask's query offset is ``cache_position[0]`` up to 5.5 and ``get_seq_length()`` in
+  5.6 to 5.16 (both the *logical* length), ``Cache.get_query_offset()`` (the physical one) from 5.17. They
+  agree while ``KVReuseCache.logical_offset`` is 0, which every cache keeps today; a cache with a non-zero
+  offset raises an error naming 5.17 on older releases (:func:`check_mask_geometry`);
 * cache layers: ``DynamicCache(config=...)`` builds one ``DynamicLayer`` per decoder layer on every supported
   release; ``lazy_initialization`` takes the keys only on 4.x, keys and values on 5.x (:func:`init_layer`);
 * peft: 0.17 works with transformers 4.57 only (it imports ``HybridCache``, gone in 5.0); 5.x needs peft 0.18+
@@ -88,6 +89,16 @@ def config_kwargs(overrides: dict) -> dict:
     return out
 
 
+def check_mask_geometry(cache) -> None:
+    """Refuse a cache whose logical length differs from its physical one where the mask cannot be told (< 5.17)."""
+    offset = getattr(cache, "logical_offset", 0)
+    if offset and not HAS_QUERY_OFFSET:
+        raise NotImplementedError(
+            f"{type(cache).__name__} stands for {offset} tokens that have no K/V entries (logical_offset); sizing "
+            f"the causal mask for it needs transformers>=5.17 (Cache.get_query_offset), this is "
+            f"{transformers.__version__}")
+
+
 def prepare_inputs(prepare, input_ids: torch.Tensor, next_sequence_length: int | None, kwargs: dict) -> dict:
     """Call ``GenerationMixin.prepare_inputs_for_generation`` (``prepare``, bound) so that it feeds the last
     ``next_sequence_length`` tokens of ``input_ids`` (None: what ``generate`` chose), on every release.
@@ -96,6 +107,7 @@ def prepare_inputs(prepare, input_ids: torch.Tensor, next_sequence_length: int |
     5.3 it alone selects them): when the feed differs from what ``generate`` planned (a replay), it is rebuilt.
     ``generate`` keeps its own copy and advances it from the last position, so the next step continues correctly.
     """
+    check_mask_geometry(find_cache(kwargs))
     if next_sequence_length is not None and HAS_CACHE_POSITION:
         planned = kwargs.get("cache_position")
         if planned is None or planned.shape[0] != next_sequence_length:

@@ -56,3 +56,16 @@ def test_old_peft_on_transformers_5_names_the_release(monkeypatch):
     monkeypatch.setattr("importlib.metadata.version", lambda name: "0.17.0")
     with pytest.raises(ImportError, match=r"peft>=0\.18\.0"):
         compat.import_peft()
+
+
+def test_logical_offset_needs_query_offset(monkeypatch, llama):
+    from hf_kvreuse.cache_classes.base import KVReuseCache
+
+    cache = KVReuseCache(llama)
+    compat.check_mask_geometry(cache)
+    cache.logical_offset = 3
+    monkeypatch.setattr(compat, "HAS_QUERY_OFFSET", False)
+    with pytest.raises(NotImplementedError, match=r"transformers>=5\.17"):
+        compat.prepare_inputs(lambda ids, **kw: kw, torch.zeros(1, 4, dtype=torch.long), None, {"cache": cache})
+    monkeypatch.setattr(compat, "HAS_QUERY_OFFSET", True)
+    compat.check_mask_geometry(cache)
