@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test test-fast bench bench-base-lr bench-gpu
+.PHONY: install demo test test-fast test-matrix bench bench-base-lr bench-gpu
 install: $(VENV)/.installed
 
 demo: install
@@ -21,6 +21,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# the CI version matrix: fast tests on transformers 4.57.1 (peft 0.17.0), 5.0.0 (peft 0.18.0), 5.17.0, one venv each
+test-matrix: install
+	BASE_VENV=$(VENV) scripts/test_matrix.sh
 
 bench: install
 	$(PY) benchmarks/optimistic.py

@@ -13,8 +13,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=5.17,<5.30",
-        "peft>=0.17",
+        # tested: 4.57.1, 5.0.0, 5.17.0, 5.24.0 in CI (README, Tested versions); 5.25+ is untested
+        "transformers>=4.57.1,<5.25",
+        "peft>=0.17",       # 0.17.0 tested (with transformers 4.57.1), and the newest
         "accelerate>=1.0",
         "gguf>=0.10",       # transformers' gguf_file= loader (offline SmolLM2)
         "numpy",

@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 from transformers import Cache, DynamicCache
 
+from .compat import init_layer
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 Index = slice | torch.Tensor | Sequence[int]
 
@@ -154,8 +156,7 @@ def load_kv(cache: Cache, kv: KV) -> Cache:
     if len(kv) != len(cache.layers):
         raise ValueError(f"KV has {len(kv)} layers, the cache {len(cache.layers)}")
     for layer, (k, v) in zip(cache.layers, kv):
-        if not layer.is_initialized:
-            layer.lazy_initialization(k, v)
+        init_layer(layer, k, v)
         layer.keys, layer.values = k, v
     return cache
 

@@ -216,9 +216,10 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 24, stop: str 
 
 def role_lora_config():
     """The PReCache role-adapter LoRA: rank 8, alpha 16, on ``v_proj`` only (K stays adapter-free)."""
-    from peft import LoraConfig
+    from .compat import import_peft
 
-    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj"], task_type="CAUSAL_LM")
+    return import_peft().LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj"],
+                                    task_type="CAUSAL_LM")
 
 
 def load_role_adapters(model, path: str | Path | None = None):
@@ -234,10 +235,10 @@ def load_role_adapters(model, path: str | Path | None = None):
     peft.PeftModel in eval mode with ``plan`` active; switch with ``set_adapter(role)``, use the base model with
     ``with pm.disable_adapter():``.
     """
-    from peft import PeftModel
+    from .compat import import_peft
 
     path = Path(path) if path is not None else ROLE_ADAPTERS_DIR
-    pm = PeftModel.from_pretrained(model, path / ROLES[0], adapter_name=ROLES[0])
+    pm = import_peft().PeftModel.from_pretrained(model, path / ROLES[0], adapter_name=ROLES[0])
     for role in ROLES[1:]:
         pm.load_adapter(path / role, adapter_name=role)
     pm.set_adapter(ROLES[0])

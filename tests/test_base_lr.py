@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from hf_kvreuse import BaseLRCache, UnsupportedAdapterError, kv_of, tiny_model
 from hf_kvreuse.compat import cache_kwargs
+from hf_kvreuse.kv import load_kv
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 AGENTS = ("plan", "act", "reflect")
@@ -224,9 +225,7 @@ def test_rebaseshared_own_turn_lr_is_adapted_pass_over_neutral_prefix(pm_llama):
     # run act over its turn on a copy of the neutral prefix, with act's LR term on the prefix values
     replay = BaseLRCache(pm, method="rebaseshared", agent="act")
     replay.layers = [type(layer)() for layer in replay.layers]
-    for layer, (k, v) in zip(replay.layers, kv_of(ref)):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k.clone(), v.clone()
+    load_kv(replay, [(k.clone(), v.clone()) for k, v in kv_of(ref)])
     replay.token_ids = outs[1][:, :lo]
     for layer in range(pm.config.num_hidden_layers):
         replay.store.append("v", "act", layer, cache.store.get("v", "act", layer)[:, :lo])

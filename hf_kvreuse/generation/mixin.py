@@ -26,7 +26,7 @@ import inspect
 from transformers import GenerationMixin
 
 from ..cache_classes.base import KVReuseCache
-from ..compat import CACHE_KW, CACHE_NAMES, find_cache
+from ..compat import CACHE_KW, CACHE_NAMES, find_cache, prepare_inputs
 
 _ENABLED: dict[type, type] = {}
 
@@ -145,7 +145,7 @@ class KVReuseGenerationMixin(GenerationMixin):
         cache = find_cache(kwargs)
         if isinstance(cache, KVReuseCache) and cache.phase == "active":
             next_sequence_length, extra = cache.before_forward(input_ids, next_sequence_length)
-        inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length, **kwargs)
+        inputs = prepare_inputs(super().prepare_inputs_for_generation, input_ids, next_sequence_length, kwargs)
         inputs.update(extra)
         return inputs
 
