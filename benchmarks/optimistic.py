@@ -107,9 +107,11 @@ def main():
                     n = ids.shape[1]
                     if (rep + k) % 2:  # alternate the order: machines drift
                         full, tf = run_full(model, ids, gen)
-                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens, args.release_donor)
+                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens,
+                                                      args.release_donor)
                     else:
-                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens, args.release_donor)
+                        opt, to, st = run_optimistic(model, ids, donor, gen, args.max_optimistic_tokens,
+                                                      args.release_donor)
                         full, tf = run_full(model, ids, gen)
                     fl = floor_seconds(model, ids, output_cache(full), st.new_tokens)
                     full_text = tok.decode(full.sequences[0, n:], skip_special_tokens=True)

@@ -104,7 +104,8 @@ def main():
                 timer = TokenTimer().start()
                 full = model.generate(ids, streamer=timer, **gen)
             full_text = tok.decode(full[0, n:], skip_special_tokens=True)
-            res = dict(question=q, prompt_tokens=n, chunks=len(spans), full_ttft=timer.ttft_s, full_mem_mib=mem.peak_mib,
+            res = dict(question=q, prompt_tokens=n, chunks=len(spans), full_ttft=timer.ttft_s,
+                       full_mem_mib=mem.peak_mib,
                        full_correct=contains_answer(full_text, item.answers))
             line = f"ctx {ctx} q {q} N={n} chunks={len(spans)} full {timer.ttft_s:.3f}s {mem.peak_mib:.0f} MiB"
             for name, make in METHODS.items():

@@ -137,7 +137,11 @@ class ChunkStore:
         cache = DynamicCache(config=model.config)
         model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
         p = prefix.shape[1]
-        kv = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p, None))]
+        # without a prefix the cache's own tensors are the chunk (no second copy); with one, copy the chunk's rows
+        # so the prefix's storage is not kept alive
+        kv = list(kv_of(cache))
+        if p:
+            kv = [(k.clone(), v.clone()) for k, v in slice_kv(kv, slice(p, None))]
         anchor = [(k.clone(), v.clone()) for k, v in slice_kv(kv_of(cache), slice(p - 1, p))] if p else None
         chunk = KVChunk(token_ids[0].cpu(), kv, start=p, prefix_digest=_ids_digest(prefix_ids), anchor=anchor,
                         anchor_token=int(prefix[0, -1]) if p else None)

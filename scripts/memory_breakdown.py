@@ -135,6 +135,7 @@ def main():
     # 1. plain generate
     full = peak(lambda: model.generate(ids, **gen))
     res["full_generate_mib"] = full.peak_mib
+    print(f"  full prefill generate: {full.peak_mib:.1f} MiB", flush=True)
     # 2. the exact prefill alone: one forward into a fresh DynamicCache (what the background job does)
     if args.parts:
         def prefill_alone():
@@ -174,6 +175,7 @@ def main():
                 if opt is None or mem.peak_bytes > opt[0].peak_bytes:
                     opt = (mem, table)
             res[f"{key}_generate_mib"] = opt[0].peak_mib
+            print(f"  {key} generate: {opt[0].peak_mib:.1f} MiB", flush=True)
             res[f"{key}_phases"] = opt[1]
     finally:
         phases.restore()
@@ -195,6 +197,7 @@ def main():
     for name, make in (("direct", lambda: DirectReuseCache(model, ids, spans, store=store)),
                        ("blend-0.15", lambda: BlendCache(model, ids, spans, store=store))):
         res[f"{name}_generate_mib"] = peak(lambda: model.generate(ids, cache=make(), **gen)).peak_mib
+        print(f"  {name} generate: {res[f'{name}_generate_mib']:.1f} MiB", flush=True)
 
     f = res["full_generate_mib"]
     print(f"\nK/V of the prompt (one copy)            {res['kv_mib']:8.1f} MiB")
