@@ -222,8 +222,9 @@ def test_background_overlaps_decode_without_holding(llama):
     s = cache.stats.swap_step
     assert cache.stats.exact and s is not None
     n = ids_b.shape[1]
-    ref = big.generate(out[:, : n + s], max_new_tokens=24 - s, do_sample=False)
-    assert torch.equal(out, ref)
+    if s < 24:  # the swap came during decoding (else only the returned cache is checked)
+        ref = big.generate(out[:, : n + s], max_new_tokens=24 - s, do_sample=False)
+        assert torch.equal(out, ref)
     exact, _ = exact_prefill(big, out[:, :-1])
     assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
 
