@@ -16,7 +16,8 @@ guarantee:
 :func:`check_model` verifies each of them on a short probe sequence by running the model's **own** forward
 twice (at positions ``0..T-1`` and ``d..d+T-1``) and comparing, layer by layer, with what the library derives.
 The result is cached per model object (and dtype / attention backend); the first cache built on a model pays
-one probe (tens of milliseconds on SmolLM2-135M, see ``tests/test_model_check.py``). Caches call
+one probe: the two positions in one batched forward plus one partial recompute, about two reads of the weights
+(the layer-range probe runs only when a layer-wise cache asks for it). Measured in README. Caches call
 :func:`require` and refuse at construction, with an error naming the model type and the failed check.
 """
 
@@ -69,7 +70,23 @@ class ModelCheck:
 
     @property
     def layers_ok(self) -> bool:
+        self.probe_layers()
         return self.layers_reason is None
+
+    def probe_layers(self) -> None:
+        """Run the layer-range probe now if it has not run (only layer-wise caches need it: it is lazy)."""
+        pending = self.extra.pop("_layers_pending", None)
+        if pending is None:
+            return
+        model_ref, ids, kv0, tol = pending
+        model = model_ref()
+        if model is None:
+            self.layers_reason = f"{self.model_type}: the model is gone; probe it again"
+            return
+        t0 = time.perf_counter()
+        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+            _probe_layers(model, self, ids, kv0, tol)
+        self.probe_s += time.perf_counter() - t0
 
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -109,16 +126,21 @@ def _probe_ids(model, device) -> torch.Tensor:
     return torch.randint(3 if hi > 8 else 0, hi, (1, PROBE_TOKENS), generator=g).to(device)
 
 
-def _forward_kv(model, ids, start: int):
+def _forward_kv(model, ids, starts: tuple[int, ...]):
+    """The model's own K/V and logits of ``ids`` at positions ``start..`` for each start, in ONE batched forward
+    (the probe's cost is reading the weights: one pass serves every start)."""
     from transformers import DynamicCache
 
     from .compat import cache_kwargs
     from .kv import kv_of
 
     cache = DynamicCache(config=model.config)
-    pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-    out = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))
-    return [(k.clone(), v.clone()) for k, v in kv_of(cache)], out.logits
+    batch = ids.expand(len(starts), -1)
+    pos = torch.stack([torch.arange(s, s + ids.shape[1], device=ids.device) for s in starts])
+    out = model(input_ids=batch, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))
+    kv = kv_of(cache)
+    return [([(k[i:i + 1].clone(), v[i:i + 1].clone()) for k, v in kv], out.logits[i:i + 1])
+            for i in range(len(starts))]
 
 
 def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
@@ -164,11 +186,9 @@ def _probe_engine(model, report: ModelCheck, ids, kv0, logits0, tol: float) -> N
 
     n = ids.shape[1]
     try:
-        kv = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv0]
-        out = partial_forward(model, ids, torch.arange(n), kv, logits_to_keep=0)
-        pairs = [t for (k, v), (rk, rv) in zip(kv, kv0) for t in ((k, rk), (v, rv))]
-        pairs.append((out.logits, logits0))
-        # rows of the second half only, the first half already exact: the mask must see the cached columns
+        # rows of the second half only, the first half already exact: the position mask must let them see the
+        # cached columns and nothing after themselves (all rows at once is the same path with an empty cache)
+        pairs = []
         kv2 = [(k.clone(), v.clone()) for k, v in kv0]
         for k, v in kv2:
             k[..., n // 2:, :] = 0
@@ -246,8 +266,7 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
         # the probe checks the model's layout, not the caller's numerics: no autocast
         with torch.autocast(param.device.type, enabled=False):
             try:
-                kv0, logits0 = _forward_kv(target, ids, 0)
-                kv1, _ = _forward_kv(target, ids, PROBE_SHIFT)
+                (kv0, logits0), (kv1, _) = _forward_kv(target, ids, (0, PROBE_SHIFT))
             except Exception as e:  # noqa: BLE001
                 reason = f"{model_type}: its forward cannot be probed ({type(e).__name__}: {e})"
                 report.rope_reason = report.engine_reason = report.layers_reason = reason
@@ -259,8 +278,8 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
                 else:
                     _probe_rope(target, report, kv0, kv1, tol)
                     _probe_engine(target, report, ids, kv0, logits0, tol)
-                    _probe_layers(target, report, ids, kv0, tol)
-        if target.training and not (report.rope_ok and report.engine_ok and report.layers_ok):
+                    report.extra["_layers_pending"] = (weakref.ref(target), ids, kv0, tol)
+        if target.training and not (report.rope_ok and report.engine_ok):
             report.extra["note"] = "the model is in training mode (dropout makes forwards differ): call model.eval()"
         report.probe_s = time.perf_counter() - t0
         seen[key] = report
@@ -277,6 +296,9 @@ def require(model, *, rope: bool = False, engine: bool = False, layers: bool = F
         raise UnsupportedRopeError(f"{who} cannot re-position K/V of {report.rope_reason}{note}")
     if engine and not report.engine_ok:
         raise UnsupportedModelError(f"{who} refuses {report.engine_reason}{note}")
+    if layers:
+        with _LOCK:
+            report.probe_layers()
     if layers and not report.layers_ok:
         raise UnsupportedModelError(f"{who} refuses {report.layers_reason}{note}")
     return report
