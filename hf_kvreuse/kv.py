@@ -119,36 +119,13 @@ def release_kv(cache: Cache | KV) -> None:
 
 
 def copy_shifted_(dst: torch.Tensor, src: torch.Tensor, shifter=None, delta: int = 0, chunk: int = 512) -> None:
-    """``dst[:] = src`` re-positioned by ``delta`` tokens (keys; values pass ``delta=0``), in place.
-
-    Same arithmetic as :meth:`hf_kvreuse.rope.RopeShifter.shift` (float32 rotation), but written straight into
-    ``dst`` ``[B, H, T, D]`` with temporaries of at most ``chunk`` tokens: no full-size index_select or rotated
-    copy per layer.
-    """
+    """``dst[:] = src`` re-positioned by ``delta`` tokens (keys; values pass ``delta=0``), in place, through
+    :meth:`hf_kvreuse.rope.RopeShifter.shift_into` (the one RoPE rotation of the library, any layout), with
+    temporaries of at most ``chunk`` tokens: no full-size index_select or rotated copy per layer."""
     if delta == 0 or shifter is None:
         dst.copy_(src)
-        return
-    cos, sin = shifter.cos_sin(torch.tensor([delta]), src.device)  # [1, rot]
-    if getattr(shifter, "layout", "half") != "half":  # interleaved pairs: the shifter's own rotation, chunk by chunk
-        for c0 in range(0, src.shape[-2], chunk):
-            dst[..., c0:c0 + chunk, :].copy_(shifter.shift(src[..., c0:c0 + chunk, :], None, (cos, sin)))
-        return
-    rot = cos.shape[-1]
-    half = rot // 2
-    cos, sin = cos[0], sin[0]
-    T = src.shape[-2]
-    for c0 in range(0, T, chunk):
-        c1 = min(c0 + chunk, T)
-        s = src[..., c0:c1, :rot].float()
-        # rotate_half(s) * sin, built in one buffer: [-s2 * sin1, s1 * sin2]
-        r = torch.empty_like(s)
-        torch.mul(s[..., half:], sin[:half], out=r[..., :half])
-        r[..., :half].neg_()
-        torch.mul(s[..., :half], sin[half:], out=r[..., half:])
-        r.add_(s * cos)
-        dst[..., c0:c1, :rot].copy_(r)
-        if rot < dst.shape[-1]:
-            dst[..., c0:c1, rot:].copy_(src[..., c0:c1, rot:])
+    else:
+        shifter.shift_into(dst, src, delta, chunk)
 
 
 def load_kv(cache: Cache, kv: KV) -> Cache:

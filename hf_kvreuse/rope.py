@@ -153,6 +153,16 @@ class RopeShifter:
         return torch.cat((k_rot, k_pass), dim=-1).to(keys.dtype) if rot_dim < D else k_rot.to(keys.dtype)
 
 
+    def shift_into(self, dst: torch.Tensor, src: torch.Tensor, delta: int, chunk: int = 512) -> None:
+        """``dst[:] = shift(src, delta)`` for one scalar ``delta``, ``chunk`` tokens at a time (bounded temporaries)."""
+        if delta == 0:
+            dst.copy_(src)
+            return
+        cos_sin = self.cos_sin(torch.tensor([delta]), src.device)  # [1, rot]: broadcast over the tokens
+        for c0 in range(0, src.shape[-2], chunk):
+            dst[..., c0:c0 + chunk, :].copy_(self.shift(src[..., c0:c0 + chunk, :], None, cos_sin))
+
+
 def rope_shift(keys: torch.Tensor, delta: int | torch.Tensor, model: nn.Module) -> torch.Tensor:
     """One-shot form of :meth:`RopeShifter.shift`."""
     return RopeShifter(model).shift(keys, delta)
