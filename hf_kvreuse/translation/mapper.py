@@ -1,0 +1,446 @@
+"""KVMapper: closed-form linear maps from a small source model's KV cache to a larger target model's.
+
+Heo et al., "Cross-Model KV Cache Transfer in LLM Families: A Closed-Form Linear Mapping for Prefill Reuse"
+(arXiv 2608.03893; METHODS.md §2.4.a), as used by RaReCache (seed 004):
+
+1. run both models on calibration text and take every layer's K (RoPE stripped: content space,
+   ``k~ = R(p)^-1 k``) and V, per position (every ``stride``-th);
+2. for each target layer, rank the source layers by single-source R² (ridge, pooled K+V features) and keep the
+   ``top_k`` best;
+3. ridge regression on centred data, separately for K and V, from the concatenated features of those source
+   layers (all heads) to the target layer (each head is an independent set of output columns):
+   ``W = (C_xx + lambda * s * I)^-1 C_xy``, ``b = mean_y - mean_x W``;
+4. online: ``K_t = RoPE_target(strip(K_s) W_K + b_K)``, ``V_t = V_s W_V + b_V``.
+
+Everything is accumulated in a streaming pass (:class:`MapperStats`: sums and cross-products in float64), so
+the calibration size does not bound memory; the fit itself is a handful of small solves. ``lambda`` is relative
+(``s`` is the mean feature variance of the regression's inputs), which makes it independent of the models' K/V
+scale: Heo et al. report a flat region around 0.01 that collapses near 1, which only a scale-free penalty shows.
+
+The same pass also records, per target (layer, head, kind), the covariance of the *mapped* calibration outputs
+``C_yhat = W^T C_xx W`` and the right singular vectors of ``W``: the output directions the calibration data
+supports strongly or weakly, read by :class:`~hf_kvreuse.translation.scorers.RankDisagreementScorer`.
+
+Choices beyond the sources (documented, measured in README): the first ``skip_first`` positions of each
+calibration sequence are left out (attention-sink tokens have outlier K/V and are always recomputed online),
+and the pair's identity is checked on load (configs and a weight fingerprint: the same architecture with other
+weights is another pair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ..kv import KV, kv_of
+from ..rope import RopeShifter
+
+FORMAT_VERSION = 1
+
+
+class MapperMismatchError(ValueError):
+    """A saved KVMapper was fitted for another (source, target) pair."""
+
+
+@dataclass(frozen=True)
+class PairGeometry:
+    """K/V geometry of a (source, target) pair as the models' own caches store it."""
+
+    source_layers: int
+    source_heads: int
+    source_dim: int
+    target_layers: int
+    target_heads: int
+    target_dim: int
+
+    @property
+    def fs(self) -> int:  # features of one source layer and kind
+        return self.source_heads * self.source_dim
+
+    @property
+    def ft(self) -> int:  # features of one target layer and kind
+        return self.target_heads * self.target_dim
+
+
+@dataclass
+class MapperConfig:
+    """Hyper-parameters of :meth:`KVMapper.fit` (defaults: METHODS.md §2.4.a)."""
+
+    top_k: int = 8               # source layers per target layer (fewer when the source has fewer)
+    ridge_lambda: float = 0.01   # relative ridge penalty
+    stride: int = 4              # every stride-th calibration position
+    skip_first: int = 4          # leading (attention-sink) positions of each sequence left out
+
+
+def model_identity(model) -> dict:
+    """What identifies a model for a mapper: its architecture config (no dtype / backend fields) and a
+    fingerprint of its weights (a strided sample of every parameter, rounded to bfloat16 so a bf16 and a float32
+    load of the same checkpoint agree)."""
+    cfg = model.config.to_dict()
+    for key in ("dtype", "torch_dtype", "_attn_implementation", "_attn_implementation_autoset", "transformers_version",
+                "_name_or_path", "architectures", "use_cache", "output_attentions", "output_hidden_states"):
+        cfg.pop(key, None)
+    h = hashlib.sha1()
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 16)][:16].to(torch.bfloat16).float().cpu()
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return {"model_type": getattr(model.config, "model_type", "?"), "class": type(model).__name__,
+            "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
+            "weights": h.hexdigest()[:16],
+            "config": hashlib.sha1(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]}
+
+
+def _describe(ident: dict) -> str:
+    return (f"{ident.get('class')} ({ident.get('model_type')}, {ident.get('num_hidden_layers')} layers, hidden "
+            f"{ident.get('hidden_size')}, weights {ident.get('weights')})")
+
+
+def content_features(kv: KV, shifter: RopeShifter, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(K~, V)`` as ``[T, H*D]`` float32: keys rotated back to position 0 (RoPE stripped)."""
+    out = []
+    neg = -positions
+    cs = shifter.cos_sin(neg, kv[0][0].device)
+    for k, v in kv:
+        kc = shifter.shift(k.float(), None, cs)
+        out.append((kc[0].transpose(0, 1).reshape(k.shape[-2], -1), v[0].float().transpose(0, 1).reshape(v.shape[-2], -1)))
+    return out
+
+
+def flat_features(feats: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``[T, L * 2 * H*D]``: layer-major, keys then values (the layout of :class:`MapperStats`)."""
+    return torch.cat([t for kv in feats for t in kv], dim=-1)
+
+
+class MapperStats:
+    """Streaming moments of source features ``x`` and target features ``y`` (float64 sums)."""
+
+    def __init__(self, geometry: PairGeometry, device: torch.device | str = "cpu"):
+        g = self.geometry = geometry
+        fx, fy = g.source_layers * 2 * g.fs, g.target_layers * 2 * g.ft
+        f64 = dict(dtype=torch.float64, device=device)
+        self.n = 0
+        self.sx, self.sy = torch.zeros(fx, **f64), torch.zeros(fy, **f64)
+        self.xx, self.xy = torch.zeros(fx, fx, **f64), torch.zeros(fx, fy, **f64)
+        self.yy = torch.zeros(fy, **f64)  # diagonal only: R² needs the target variance, not its covariance
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add rows ``x [N, Fx]`` and ``y [N, Fy]`` (float32 products, float64 sums)."""
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"{x.shape[0]} source rows but {y.shape[0]} target rows")
+        if x.shape[1] != self.sx.numel() or y.shape[1] != self.sy.numel():
+            raise ValueError(f"feature sizes {x.shape[1]}, {y.shape[1]} do not match the pair geometry "
+                             f"({self.sx.numel()}, {self.sy.numel()})")
+        x, y = x.float(), y.float()
+        self.n += x.shape[0]
+        self.sx += x.sum(0).double()
+        self.sy += y.sum(0).double()
+        self.xx += (x.T @ x).double()
+        self.xy += (x.T @ y).double()
+        self.yy += (y * y).sum(0).double()
+
+
+@dataclass
+class LayerMap:
+    """The maps of one target layer: ``y = x[:, cols] @ w + b`` for keys (content space) and values."""
+
+    sources: list[int]                     # the source layers it reads
+    w_k: torch.Tensor                      # [k*Fs, Ft]
+    b_k: torch.Tensor                      # [Ft]
+    w_v: torch.Tensor
+    b_v: torch.Tensor
+    # per kind ("k", "v"): mapped-output statistics, per target head [H, D(, D)]
+    mean: dict = field(default_factory=dict)
+    cov_vecs: dict = field(default_factory=dict)   # eigenvectors of W^T C_xx W (columns), descending eigenvalues
+    cov_vals: dict = field(default_factory=dict)
+    svd_vecs: dict = field(default_factory=dict)   # right singular vectors of W (columns), descending
+    svd_vals: dict = field(default_factory=dict)
+
+
+class KVMapper:
+    """Linear KV maps from a source model's cache to a target model's (see the module docstring).
+
+    Build with :meth:`fit` (or :meth:`from_stats`), keep with :meth:`save` / :meth:`load`.
+
+    Attributes
+    ----------
+    geometry : PairGeometry
+    layers : list of LayerMap, one per target layer
+    r2 : Tensor ``[target_layers, source_layers]``
+        Single-source R² of each (target, source) layer pair on the calibration data (pooled K+V).
+    fit_r2 : Tensor ``[target_layers, 2]``
+        In-sample R² of the final K and V maps of each target layer.
+    identity : dict
+        ``{"source": model_identity(...), "target": ...}`` of the pair it was fitted on.
+    info : dict
+        Calibration facts (tokens, sequences, fit time, config).
+    """
+
+    def __init__(self, geometry: PairGeometry, layers: list[LayerMap], r2: torch.Tensor, fit_r2: torch.Tensor,
+                 identity: dict | None = None, info: dict | None = None):
+        self.geometry, self.layers, self.r2, self.fit_r2 = geometry, layers, r2, fit_r2
+        self.identity = identity or {}
+        self.info = info or {}
+
+    # -- fitting ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_stats(cls, stats: MapperStats, config: MapperConfig | None = None) -> "KVMapper":
+        """Solve the maps from accumulated moments (no models needed: synthetic data works too)."""
+        cfg = config or MapperConfig()
+        g = stats.geometry
+        if stats.n < 2:
+            raise ValueError("need at least 2 calibration rows to fit a map")
+        n = float(stats.n)
+        mx, my = stats.sx / n, stats.sy / n
+        cxx = stats.xx / n - torch.outer(mx, mx)
+        cxy = stats.xy / n - torch.outer(mx, my)
+        vy = (stats.yy / n - my * my).clamp_min(0)
+        fs, ft = g.fs, g.ft
+
+        def xcols(s: int, kind: int | None = None) -> torch.Tensor:
+            if kind is None:
+                return torch.arange(2 * s * fs, 2 * (s + 1) * fs)
+            return torch.arange((2 * s + kind) * fs, (2 * s + kind + 1) * fs)
+
+        def ycols(t: int, kind: int | None = None) -> torch.Tensor:
+            if kind is None:
+                return torch.arange(2 * t * ft, 2 * (t + 1) * ft)
+            return torch.arange((2 * t + kind) * ft, (2 * t + kind + 1) * ft)
+
+        def ridge(xi: torch.Tensor, yi: torch.Tensor) -> tuple[torch.Tensor, float]:
+            a = cxx[xi][:, xi]
+            c = cxy[xi][:, yi]
+            scale = float(a.diagonal().mean().clamp_min(1e-12))
+            w = torch.linalg.solve(a + cfg.ridge_lambda * scale * torch.eye(len(xi), dtype=a.dtype), c)
+            sst = float(vy[yi].sum().clamp_min(1e-30))
+            sse = sst - 2 * float((w * c).sum()) + float((w * (a @ w)).sum())
+            return w, 1.0 - sse / sst
+
+        k = min(cfg.top_k, g.source_layers)
+        r2 = torch.zeros(g.target_layers, g.source_layers)
+        for t in range(g.target_layers):
+            for s in range(g.source_layers):
+                r2[t, s] = ridge(xcols(s), ycols(t))[1]
+        layers, fit_r2 = [], torch.zeros(g.target_layers, 2)
+        for t in range(g.target_layers):
+            sources = sorted(torch.topk(r2[t], k).indices.tolist())
+            parts = {}
+            for kind, name in ((0, "k"), (1, "v")):
+                xi = torch.cat([xcols(s, kind) for s in sources])
+                yi = ycols(t, kind)
+                w, fit = ridge(xi, yi)
+                fit_r2[t, kind] = fit
+                b = my[yi] - mx[xi] @ w
+                parts[name] = (w, b)
+                # mapped-output statistics per head: mean, covariance eigenbasis, W's right singular vectors
+                chat = w.T @ cxx[xi][:, xi] @ w
+                heads = g.target_heads
+                d = g.target_dim
+                cov_vecs, cov_vals, svd_vecs, svd_vals = [], [], [], []
+                for h in range(heads):
+                    blk = chat[h * d:(h + 1) * d, h * d:(h + 1) * d]
+                    vals, vecs = torch.linalg.eigh(blk)
+                    cov_vals.append(vals.flip(0).clamp_min(0))
+                    cov_vecs.append(vecs.flip(1))
+                    _, sv, vh = torch.linalg.svd(w[:, h * d:(h + 1) * d], full_matrices=False)
+                    svd_vals.append(sv)
+                    svd_vecs.append(vh.T)
+                parts[name + "_stats"] = (my[yi].reshape(heads, d), torch.stack(cov_vecs), torch.stack(cov_vals),
+                                          torch.stack(svd_vecs), torch.stack(svd_vals))
+            lm = LayerMap(sources, parts["k"][0].float(), parts["k"][1].float(), parts["v"][0].float(),
+                          parts["v"][1].float())
+            for name in ("k", "v"):
+                mean, cvec, cval, svec, sval = parts[name + "_stats"]
+                lm.mean[name], lm.cov_vecs[name], lm.cov_vals[name] = mean.float(), cvec.float(), cval.float()
+                lm.svd_vecs[name], lm.svd_vals[name] = svec.float(), sval.float()
+            layers.append(lm)
+        info = {"config": asdict(cfg), "calibration_rows": stats.n}
+        return cls(g, layers, r2, fit_r2, info=info)
+
+    @classmethod
+    def fit(cls, source_model, target_model, calibration_ids: torch.Tensor | Iterable[torch.Tensor],
+            top_k: int = 8, ridge_lambda: float = 0.01, stride: int = 4, skip_first: int = 4,
+            progress: bool = True, description: str = "") -> "KVMapper":
+        """Fit the maps on calibration text.
+
+        Parameters
+        ----------
+        source_model, target_model : PreTrainedModel
+            The pair (same tokenizer). Both are probed by the library's model check: keys must be RoPE keys
+            that the library's rotation strips and re-applies exactly.
+        calibration_ids : LongTensor ``[B, T]`` or iterable of LongTensor ``[T]`` / ``[1, T]``
+            Calibration sequences, run one at a time (memory does not grow with their number).
+        top_k, ridge_lambda, stride, skip_first
+            See :class:`MapperConfig`.
+        progress : bool
+            Show a tqdm bar.
+        description : str
+            What the calibration text is (kept in the saved JSON).
+        """
+        from ..model_check import require
+        from tqdm.auto import tqdm
+
+        cfg = MapperConfig(top_k, ridge_lambda, stride, skip_first)
+        if stride < 1 or skip_first < 0 or top_k < 1 or ridge_lambda < 0:
+            raise ValueError(f"invalid mapper config {cfg}")
+        src_check = require(source_model, rope=True, who="KVMapper (source model)")
+        tgt_check = require(target_model, rope=True, who="KVMapper (target model)")
+        g = PairGeometry(source_model.config.num_hidden_layers, src_check.kv_heads, src_check.head_dim,
+                         target_model.config.num_hidden_layers, tgt_check.kv_heads, tgt_check.head_dim)
+        src_shift = RopeShifter(source_model, layout=src_check.rope_layout)
+        tgt_shift = RopeShifter(target_model, layout=tgt_check.rope_layout)
+        stats = MapperStats(g)
+        seqs = list(calibration_ids) if not isinstance(calibration_ids, torch.Tensor) else list(calibration_ids)
+        t0 = time.perf_counter()
+        tokens = 0
+        for ids in tqdm(seqs, desc="KVMapper.fit", disable=not progress, unit="seq"):
+            ids = torch.as_tensor(ids).reshape(1, -1)
+            if ids.shape[1] <= skip_first:
+                continue
+            keep = torch.arange(skip_first, ids.shape[1], stride)
+            x = flat_features(_run_features(source_model, ids, src_shift))[keep]
+            y = flat_features(_run_features(target_model, ids, tgt_shift))[keep]
+            stats.add(x, y)
+            tokens += ids.shape[1]
+        mapper = cls.from_stats(stats, cfg)
+        mapper.identity = {"source": model_identity(source_model), "target": model_identity(target_model)}
+        mapper.info.update(calibration_sequences=len(seqs), calibration_tokens=tokens, fit_s=time.perf_counter() - t0,
+                           description=description,
+                           source_dtype=str(next(source_model.parameters()).dtype).replace("torch.", ""),
+                           target_dtype=str(next(target_model.parameters()).dtype).replace("torch.", ""))
+        return mapper
+
+    # -- applying ------------------------------------------------------------------------------------------
+    def map_layer(self, t: int, feats: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer ``t``'s content-space keys and values ``[T, H_t*D_t]`` (float32) from source features."""
+        lm = self.layers[t]
+        xk = torch.cat([feats[s][0] for s in lm.sources], dim=-1)
+        xv = torch.cat([feats[s][1] for s in lm.sources], dim=-1)
+        dev = xk.device
+        return (torch.addmm(lm.b_k.to(dev), xk, lm.w_k.to(dev)), torch.addmm(lm.b_v.to(dev), xv, lm.w_v.to(dev)))
+
+    def to_cache_layout(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[T, H*D]`` -> ``[1, H, T, D]``."""
+        g = self.geometry
+        return flat.reshape(flat.shape[0], g.target_heads, g.target_dim).transpose(0, 1)[None]
+
+    def translate(self, source_kv: KV, positions: torch.Tensor, source_shifter: RopeShifter,
+                  target_shifter: RopeShifter, dtype: torch.dtype, device: torch.device | None = None,
+                  observe=None) -> KV:
+        """Target-model K/V (post-RoPE at ``positions``) from a source cache.
+
+        ``observe(t, keys_content, values)`` is called per target layer with the ``[T, H*D]`` float32 maps
+        (scorers that read the mapped K/V use it).
+        """
+        device = device or source_kv[0][0].device
+        feats = [(k.to(device), v.to(device)) for k, v in
+                 content_features(source_kv, source_shifter, positions.to(source_kv[0][0].device))]
+        cs = target_shifter.cos_sin(positions.to(device), device)
+        out = []
+        for t in range(self.geometry.target_layers):
+            kc, v = self.map_layer(t, feats)
+            if observe is not None:
+                observe(t, kc, v)
+            k = target_shifter.shift(self.to_cache_layout(kc), None, cs)
+            out.append((k.to(dtype).contiguous(), self.to_cache_layout(v).to(dtype).contiguous()))
+        return out
+
+    # -- identity --------------------------------------------------------------------------------------------
+    def check_pair(self, source_model, target_model) -> None:
+        """Raise :class:`MapperMismatchError` unless the models are the pair this mapper was fitted on."""
+        if not self.identity:
+            return
+        for role, model in (("source", source_model), ("target", target_model)):
+            want, got = self.identity[role], model_identity(model)
+            if want == got:
+                continue
+            what = "architecture/config" if want.get("config") != got.get("config") else "weights"
+            raise MapperMismatchError(
+                f"this KVMapper was fitted with {role} model {_describe(want)}, but the {role} model given is "
+                f"{_describe(got)} (its {what} differ). A map is valid only for the exact pair it was fitted on: "
+                "fit one for this pair with KVMapper.fit")
+        src_l, tgt_l = source_model.config.num_hidden_layers, target_model.config.num_hidden_layers
+        if (src_l, tgt_l) != (self.geometry.source_layers, self.geometry.target_layers):
+            raise MapperMismatchError(f"layer counts {src_l}->{tgt_l} do not match the map's geometry {self.geometry}")
+
+    # -- persistence: safetensors + JSON ------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
+        """Write ``path/mapper.safetensors`` and ``path/mapper.json`` (no pickles)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {"r2": self.r2.contiguous(), "fit_r2": self.fit_r2.contiguous()}
+        for t, lm in enumerate(self.layers):
+            tensors[f"{t}.sources"] = torch.tensor(lm.sources, dtype=torch.int64)
+            for name in ("k", "v"):
+                tensors[f"{t}.w_{name}"] = getattr(lm, f"w_{name}").to(dtype).contiguous()
+                tensors[f"{t}.b_{name}"] = getattr(lm, f"b_{name}").float().contiguous()
+                for attr in ("mean", "cov_vecs", "cov_vals", "svd_vecs", "svd_vals"):
+                    tensors[f"{t}.{attr}_{name}"] = getattr(lm, attr)[name].float().contiguous()
+        save_file(tensors, str(path / "mapper.safetensors"))
+        meta = {"format": "hf_kvreuse.KVMapper", "version": FORMAT_VERSION, "geometry": asdict(self.geometry),
+                "identity": self.identity, "info": self.info}
+        (path / "mapper.json").write_text(json.dumps(meta, indent=2, default=str))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, source_model=None, target_model=None) -> "KVMapper":
+        """Read a saved mapper; with the models given, refuse (:class:`MapperMismatchError`) another pair."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "mapper.json").exists():
+            raise FileNotFoundError(f"no KVMapper at {path} (expected mapper.json and mapper.safetensors)")
+        meta = json.loads((path / "mapper.json").read_text())
+        if meta.get("format") != "hf_kvreuse.KVMapper" or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: not a KVMapper of format version {FORMAT_VERSION} ({meta.get('format')}, "
+                             f"{meta.get('version')})")
+        g = PairGeometry(**meta["geometry"])
+        ts = load_file(str(path / "mapper.safetensors"))
+        layers = []
+        for t in range(g.target_layers):
+            lm = LayerMap(ts[f"{t}.sources"].tolist(), ts[f"{t}.w_k"].float(), ts[f"{t}.b_k"], ts[f"{t}.w_v"].float(),
+                          ts[f"{t}.b_v"])
+            for name in ("k", "v"):
+                for attr in ("mean", "cov_vecs", "cov_vals", "svd_vecs", "svd_vals"):
+                    getattr(lm, attr)[name] = ts[f"{t}.{attr}_{name}"]
+            layers.append(lm)
+        mapper = cls(g, layers, ts["r2"], ts["fit_r2"], meta.get("identity"), meta.get("info"))
+        if source_model is not None or target_model is not None:
+            if source_model is None or target_model is None:
+                raise ValueError("pass both source_model and target_model (or neither) to check the pair")
+            mapper.check_pair(source_model, target_model)
+        return mapper
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(lm, a).numel() * 4 for lm in self.layers for a in ("w_k", "w_v"))
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (f"KVMapper({g.source_layers}x{g.source_heads}x{g.source_dim} -> {g.target_layers}x{g.target_heads}x"
+                f"{g.target_dim}, top_k={len(self.layers[0].sources)}, mean fit R² K "
+                f"{float(self.fit_r2[:, 0].mean()):.3f} / V {float(self.fit_r2[:, 1].mean()):.3f})")
+
+
+@torch.no_grad()
+def _run_features(model, ids: torch.Tensor, shifter: RopeShifter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from transformers import DynamicCache
+
+    from ..compat import CACHE_KW
+
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: cache})
+    feats = content_features(kv_of(cache), shifter, torch.arange(ids.shape[1], device=device))
+    return [(k.cpu(), v.cpu()) for k, v in feats]
