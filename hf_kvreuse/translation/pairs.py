@@ -1,0 +1,70 @@
+"""Ready pairs: the offline Qwen2.5-Coder-0.5B-Instruct -> 1.5B-Instruct map, fitted once by one command.
+
+``python -m hf_kvreuse.translation fit`` (or :func:`qwen_pair_mapper`) loads both models from the offline kit,
+builds the calibration set from **DROP** passages and questions (Wikipedia text in the same chat QA format as
+the evaluation, but another dataset: the SQuAD evaluation items are never seen), fits the map with a tqdm bar and
+saves it (safetensors + JSON) under ``$HF_KVREUSE_CACHE/maps/``. Later calls load it and check the pair.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..offline import cache_dir
+from .mapper import KVMapper
+
+QWEN_PAIR = "qwen2.5-coder-0.5b-to-1.5b"
+
+
+def calibration_ids(tokenizer, n: int = 64, max_tokens: int = 512, offset: int = 0) -> list[torch.Tensor]:
+    """``n`` calibration prompts: DROP passage + question in the chat QA format, at most ``max_tokens`` tokens."""
+    from ..datasets import drop, qa_chat_ids
+
+    items = drop()
+    seen, out = set(), []
+    for it in items[offset:]:
+        if it.passage in seen:
+            continue
+        seen.add(it.passage)
+        ids, _ = qa_chat_ids(tokenizer, it.passage, it.question)
+        out.append(torch.tensor(ids[:max_tokens]))
+        if len(out) == n:
+            break
+    return out
+
+
+def default_map_path(name: str = QWEN_PAIR) -> Path:
+    return cache_dir() / "maps" / name
+
+
+def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.PathLike | None = None,
+                     n_calibration: int = 64, max_tokens: int = 512, stride: int = 2, refit: bool = False,
+                     progress: bool = True) -> KVMapper:
+    """The Qwen2.5-Coder 0.5B -> 1.5B map: loaded from ``path`` (default under the cache folder) or fitted there.
+
+    Models not given are loaded in bfloat16 from the offline kit. The map is checked against the models given.
+    """
+    from ..models import load_qwen
+
+    path = Path(path) if path is not None else default_map_path()
+    if source is None:
+        source, tokenizer = load_qwen("0.5b", dtype=torch.bfloat16)
+    if target is None:
+        target, tokenizer = load_qwen("1.5b", dtype=torch.bfloat16)
+    if (path / "mapper.json").exists() and not refit:
+        return KVMapper.load(path, source, target)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        from ..models import model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path("0.5b"))
+    calib = calibration_ids(tokenizer, n_calibration, max_tokens)
+    mapper = KVMapper.fit(source, target, calib, stride=stride, progress=progress,
+                          description=f"DROP dev passages+questions, chat QA format: {len(calib)} prompts <= "
+                                      f"{max_tokens} tokens, stride {stride}")
+    mapper.save(path)
+    return mapper

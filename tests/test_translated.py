@@ -1,0 +1,316 @@
+"""TranslatedCache (RaReCache), KVMapper and the position scorers on tiny random-init pairs that differ in depth,
+width, head count and head size and share a vocabulary. Planted bugs: docs/MUTATIONS.md."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_kvreuse import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer, RandomScorer,
+                        RankDisagreementScorer, TranslatedCache, enable, tiny_model)
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.model_check import check_model
+from hf_kvreuse.rope import RopeShifter
+from hf_kvreuse.translation.mapper import MapperConfig, MapperStats, PairGeometry, content_features
+
+# (source overrides, target overrides): deeper, wider, more heads, another head size
+PAIRS = {
+    "deeper-wider": (dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
+                          intermediate_size=96),
+                     dict(num_hidden_layers=5, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                          intermediate_size=160)),
+    "head-dim": (dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2),
+                 dict(num_hidden_layers=6, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=192)),
+}
+
+
+def _calib(n=24, length=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (length,), generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=sorted(PAIRS))
+def pair(request):
+    src_kw, tgt_kw = PAIRS[request.param]
+    src = tiny_model("qwen2", seed=1, **src_kw)
+    tgt = enable(tiny_model("qwen2", seed=2, **tgt_kw))
+    mapper = KVMapper.fit(src, tgt, _calib(), stride=1, progress=False)
+    return src, tgt, mapper
+
+
+@pytest.fixture(scope="module")
+def copy_pair():
+    """Source = an identical copy of the target (another object): the map must be the identity."""
+    tgt = enable(tiny_model("llama", seed=3))
+    src = copy.deepcopy(tgt)
+    mapper = KVMapper.fit(src, tgt, _calib(40, 64), stride=1, ridge_lambda=1e-7, progress=False)
+    return src, tgt, mapper
+
+
+def _prompt(n=40, seed=5):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))  # 0 is the pad id
+
+
+def _full(model, ids, new=6):
+    return model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+
+def _logits(out):
+    return torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("selector", ["rank", "random", "first-layer"])
+def test_ratio_one_is_full_prefill(pair, selector):
+    """Gate: recompute_ratio=1 is the target's full prefill (logits and tokens). Planted bug: `partial_forward`
+    skipped in `prepare` (the mapped K/V kept) -> logits differ."""
+    src, tgt, mapper = pair
+    ids = _prompt()
+    ref = _full(tgt, ids)
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0, selector=selector)
+    out = tgt.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)
+    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert cache.stats.recomputed_tokens == ids.shape[1] - 1
+    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref.past_key_values)):
+        torch.testing.assert_close(k, rk[..., : k.shape[-2], :], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, rv[..., : v.shape[-2], :], atol=1e-4, rtol=1e-4)
+
+
+def test_identity_pair_translates_exactly(copy_pair):
+    """A model translated to an identical copy of itself: ratio 0 (pure translation, nothing recomputed) gives the
+    target's own K/V and logits. Exercises strip -> map -> re-apply end to end. Planted bug: the target RoPE
+    re-applied at positions shifted by one (`positions + 1`) -> K mismatch and logits differ."""
+    src, tgt, mapper = copy_pair
+    assert float(mapper.fit_r2.min()) > 0.999
+    ids = _prompt(50, 7)
+    ref = _full(tgt, ids)
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.0)
+    out = tgt.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)
+    assert cache.stats.recomputed_tokens == 0
+    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref.past_key_values)):
+        torch.testing.assert_close(k[..., :49, :], rk[..., :49, :], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(v[..., :49, :], rv[..., :49, :], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(_logits(out), _logits(ref), atol=2e-2, rtol=2e-3)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_rope_strip_and_reapply_match_the_models_own_rotary():
+    """Layer-0 keys depend only on the token and its position, so the model's own forward gives the oracle:
+    stripping keys computed at 0..T-1 must equal the keys the model computes with every position at 0, and
+    re-applying at p+d must equal the model's keys at p+d. Planted bug: strip by `+positions` -> mismatch."""
+    model = tiny_model("qwen2", seed=4)
+    mc = check_model(model)
+    sh = RopeShifter(model, layout=mc.rope_layout)
+    ids = _prompt(20, 9)
+    n = ids.shape[1]
+
+    def layer0_keys(pos):
+        from transformers import DynamicCache
+        c = DynamicCache(config=model.config)
+        model(input_ids=ids, position_ids=pos[None], use_cache=True, past_key_values=c)
+        return kv_of(c)[0][0]
+
+    k_at = layer0_keys(torch.arange(n))
+    k_zero = layer0_keys(torch.zeros(n, dtype=torch.long))
+    feats = content_features([(k_at, k_at)], sh, torch.arange(n))
+    stripped = feats[0][0].reshape(n, mc.kv_heads, mc.head_dim).transpose(0, 1)[None]
+    torch.testing.assert_close(stripped, k_zero, atol=1e-5, rtol=1e-5)
+    k_moved = layer0_keys(torch.arange(n) + 11)
+    torch.testing.assert_close(sh.shift(stripped, torch.arange(n) + 11), k_moved, atol=1e-5, rtol=1e-5)
+
+
+def test_mapper_recovers_planted_linear_relation():
+    """Synthetic moments: target layer t is an exact affine function of two chosen source layers. The fit must
+    choose those layers (single-source R²) and recover W and b. Planted bug: the bias computed without the
+    source mean (`b = my`) -> b mismatch."""
+    g = PairGeometry(source_layers=4, source_heads=1, source_dim=4, target_layers=2, target_heads=2, target_dim=3)
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    x = torch.randn(n, 4 * 2 * 4, generator=gen) * 2 + 0.5
+    truth = {0: [1, 3], 1: [0, 2]}
+    ys, params = [], {}
+    for t, srcs in truth.items():
+        for kind in (0, 1):
+            cols = torch.cat([torch.arange((2 * s + kind) * 4, (2 * s + kind + 1) * 4) for s in srcs])
+            w = torch.randn(len(cols), 6, generator=gen)
+            b = torch.randn(6, generator=gen)
+            ys.append(x[:, cols] @ w + b)
+            params[(t, kind)] = (w, b)
+    y = torch.cat(ys, dim=1)
+    stats = MapperStats(g)
+    for chunk in range(0, n, 1000):  # streaming: moments add up
+        stats.add(x[chunk:chunk + 1000], y[chunk:chunk + 1000])
+    m = KVMapper.from_stats(stats, MapperConfig(top_k=2, ridge_lambda=1e-9))
+    for t, srcs in truth.items():
+        assert m.layers[t].sources == srcs
+        for kind, name in ((0, "k"), (1, "v")):
+            w, b = params[(t, kind)]
+            torch.testing.assert_close(getattr(m.layers[t], f"w_{name}"), w, atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(getattr(m.layers[t], f"b_{name}"), b, atol=1e-3, rtol=1e-3)
+    assert float(m.fit_r2.min()) > 0.9999
+
+
+def _weak_support_mapper():
+    """One layer pair, one head of 6 dims; calibration inputs vary strongly in 2 directions and weakly in 4."""
+    g = PairGeometry(1, 1, 6, 1, 1, 6)
+    gen = torch.Generator().manual_seed(1)
+    n = 3000
+    scale = torch.tensor([3.0, 3.0, 0.03, 0.03, 0.03, 0.03])
+    xk, xv = torch.randn(n, 6, generator=gen) * scale, torch.randn(n, 6, generator=gen) * scale
+    a = torch.linalg.qr(torch.randn(6, 6, generator=gen))[0]
+    stats = MapperStats(g)
+    stats.add(torch.cat([xk, xv], 1), torch.cat([xk @ a, xv @ a], 1))
+    return KVMapper.from_stats(stats, MapperConfig(top_k=1, ridge_lambda=1e-9)), a, scale
+
+
+@pytest.mark.parametrize("variant", ["energy", "whitened"])
+def test_rank_scorer_ranks_planted_poorly_supported_tokens_first(variant):
+    """Tokens whose features leave the calibration subspace are exactly the ones a linear map extrapolates on;
+    they must rank first. Planted bug: the weak basis taken from the *leading* directions (`vecs[..., :r]`) ->
+    the planted tokens rank last."""
+    mapper, a, scale = _weak_support_mapper()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(60, 6, generator=gen) * scale
+    planted = torch.tensor([5, 17, 33, 48])
+    x[planted, 2:] = torch.randn(len(planted), 4, generator=gen) * 3.0
+    yk = x @ a
+    scorer = RankDisagreementScorer(mapper, variant=variant)
+    scorer.reset(60, torch.device("cpu"))
+    scorer.observe(0, yk, yk)
+    top = torch.topk(scorer.scores(None, None), len(planted)).indices.sort().values
+    assert torch.equal(top, planted)
+    # the svd reading: W = A is orthogonal here, so its spectrum carries no support information; it still runs
+    svd = RankDisagreementScorer(mapper, basis="svd", energy=0.5)
+    svd.reset(60, torch.device("cpu"))
+    svd.observe(0, yk, yk)
+    assert svd.scores(None, None).shape == (60,)
+
+
+def test_oracle_and_first_layer_scorers(pair):
+    """The oracle ranks positions whose translated K/V were corrupted first; the first-layer scorer leaves layers
+    0..c exact for every row. Planted bug: OracleScorer compares against the mapped K/V itself -> all zero."""
+    src, tgt, mapper = pair
+    ids = _prompt()
+    ref = _full(tgt, ids, 1)
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.0)
+    tgt.generate(ids, cache=cache, max_new_tokens=1)
+    kv = [(k[..., :39, :].clone(), v[..., :39, :].clone()) for k, v in kv_of(cache)]
+    exact = [(rk[..., :39, :].clone(), rv[..., :39, :].clone()) for rk, rv in kv_of(ref.past_key_values)]
+    bad = torch.tensor([3, 20, 31])
+    for (k, v), (ek, ev) in zip(kv, exact):
+        k.copy_(ek)
+        v.copy_(ev)
+        k[..., bad, :] += 5.0
+    o = OracleScorer(exact)
+    o.reset(39, torch.device("cpu"))
+    assert torch.equal(torch.topk(o.scores(cache, kv), 3).indices.sort().values, bad)
+    c2 = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector=FirstLayerDeviationScorer(check_layer=1))
+    tgt.generate(ids, cache=c2, max_new_tokens=1)
+    assert c2.stats.exact_layers == 2
+    for (k, v), (rk, rv) in list(zip(kv_of(c2), kv_of(ref.past_key_values)))[:2]:
+        torch.testing.assert_close(k[..., :39, :], rk[..., :39, :], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v[..., :39, :], rv[..., :39, :], atol=1e-4, rtol=1e-4)
+
+
+def test_selection_budget_sinks_and_suffix(pair):
+    """The budget is round(ratio * T) rows, always including the sinks and the suffix; ratio 0 recomputes
+    nothing. Recomputed rows hold the target's own K/V at layer 0 (their inputs there are exact)."""
+    src, tgt, mapper = pair
+    ids = _prompt(61, 3)
+    for ratio in (0.0, 0.25, 0.5):
+        cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=ratio, sink_tokens=3, suffix_tokens=5,
+                                selector=RandomScorer(1))
+        tgt.generate(ids, cache=cache, max_new_tokens=2)
+        rows = cache.selected_rows.tolist()
+        assert cache.stats.recomputed_tokens == len(rows) == round(ratio * 60)
+        if ratio:
+            assert {0, 1, 2, 55, 56, 57, 58, 59} <= set(rows) and cache.stats.forced_tokens == 8
+
+
+def test_returned_cache_continues_the_conversation(pair):
+    """After generate the cache is a plain target cache: a second turn on it equals plain generate over the same
+    history at ratio 1 (and runs at any ratio). Planted bug: `end_generate` skipped (phase stays active) ->
+    the second generate raises."""
+    src, tgt, mapper = pair
+    ids = _prompt(30, 11)
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0)
+    out = tgt.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+    turn2 = torch.cat([out, _prompt(6, 12)], 1)
+    got = tgt.generate(turn2, cache=cache, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, tgt.generate(turn2, max_new_tokens=4, do_sample=False))
+
+
+def test_mapper_refused_for_another_pair(pair):
+    """A map fitted for one pair is refused for another: other weights of the same architecture, or another
+    architecture; naming what differs."""
+    src, tgt, mapper = pair
+    other = tiny_model("qwen2", seed=99, **{k: getattr(tgt.config, k) for k in (
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")})
+    with pytest.raises(MapperMismatchError, match="weights"):
+        TranslatedCache(other, src, mapper, _prompt())
+    with pytest.raises(MapperMismatchError, match="architecture"):
+        mapper.check_pair(tiny_model("llama", seed=1), tgt)
+
+
+def test_save_load_round_trip(pair, tmp_path):
+    """safetensors + JSON: the loaded map translates to the same K/V; loading checks the pair; no pickle."""
+    src, tgt, mapper = pair
+    mapper.save(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["mapper.json", "mapper.safetensors"]
+    loaded = KVMapper.load(tmp_path / "m", src, tgt)
+    assert [lm.sources for lm in loaded.layers] == [lm.sources for lm in mapper.layers]
+    ids = _prompt()
+    a = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
+    b = TranslatedCache(tgt, src, loaded, ids, recompute_ratio=0.3)
+    tgt.generate(ids, cache=a, max_new_tokens=1)
+    tgt.generate(ids, cache=b, max_new_tokens=1)
+    for (ka, va), (kb, vb) in zip(kv_of(a), kv_of(b)):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    with pytest.raises(MapperMismatchError):
+        KVMapper.load(tmp_path / "m", tiny_model("qwen2", seed=5), tgt)
+    with pytest.raises(FileNotFoundError):
+        KVMapper.load(tmp_path / "missing")
+
+
+def test_errors(pair):
+    src, tgt, mapper = pair
+    ids = _prompt()
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.5)
+    with pytest.raises(TypeError, match="KVMapper"):
+        TranslatedCache(tgt, src, "map", ids)
+    with pytest.raises(ValueError, match="unknown selector"):
+        TranslatedCache(tgt, src, mapper, ids, selector="best")
+    with pytest.raises(ValueError, match="oracle"):
+        TranslatedCache(tgt, src, mapper, ids, selector="oracle")
+    with pytest.raises(ValueError, match="target model itself"):
+        TranslatedCache(tgt, tgt, mapper, ids)
+    with pytest.raises(ValueError, match="vocabulary"):
+        TranslatedCache(tgt, src, mapper, torch.tensor([[1, 2, 500]]))
+    cache = TranslatedCache(tgt, src, mapper, ids)
+    with pytest.raises(ValueError, match="different input_ids"):
+        tgt.generate(_prompt(40, 99), cache=cache, max_new_tokens=1)
+
+
+def test_given_source_cache_skips_the_source_prefill(pair):
+    """A source cache of the prompt (e.g. from the turn the source served) gives the same translated K/V as the
+    source prefill. Planted bug: the given cache sliced from position 1 (`k[..., 1:n + 1, :]`) -> K/V differ."""
+    from transformers import DynamicCache
+
+    src, tgt, mapper = pair
+    ids = _prompt(45, 21)
+    sc = DynamicCache(config=src.config)
+    src(input_ids=torch.cat([ids, _prompt(5, 22)], 1), use_cache=True, past_key_values=sc)  # longer than needed
+    a = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
+    b = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, source_cache=sc)
+    tgt.generate(ids, cache=a, max_new_tokens=2)
+    tgt.generate(ids, cache=b, max_new_tokens=2)
+    assert b.stats.source_prefill_s < a.stats.source_prefill_s
+    for (ka, va), (kb, vb) in zip(kv_of(a), kv_of(b)):
+        torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="source_cache"):
+        TranslatedCache(tgt, src, mapper, _prompt(80, 1), source_cache=sc)
