@@ -231,16 +231,28 @@ def test_selection_budget_sinks_and_suffix(pair):
 
 
 def test_returned_cache_continues_the_conversation(pair):
-    """After generate the cache is a plain target cache: a second turn on it equals plain generate over the same
-    history at ratio 1 (and runs at any ratio). Planted bug: `end_generate` skipped (phase stays active) ->
-    the second generate raises."""
+    """After generate the cache is a plain target cache over its (translated) K/V: a second turn on it equals
+    transformers' own continuation from a DynamicCache holding the same K/V, and at ratio 1 plain generate over
+    the whole history. Planted bug: `end_generate` records the tokens shifted by one -> the continuation
+    recomputes the history instead of reading the translated K/V -> logits differ."""
+    from transformers import DynamicCache
+
+    from hf_kvreuse.kv import load_kv
+
     src, tgt, mapper = pair
     ids = _prompt(30, 11)
-    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0)
-    out = tgt.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
-    turn2 = torch.cat([out, _prompt(6, 12)], 1)
-    got = tgt.generate(turn2, cache=cache, max_new_tokens=4, do_sample=False)
-    assert torch.equal(got, tgt.generate(turn2, max_new_tokens=4, do_sample=False))
+    for ratio in (0.3, 1.0):
+        cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=ratio)
+        out = tgt.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        snap = load_kv(DynamicCache(config=tgt.config), [(k.clone(), v.clone()) for k, v in kv_of(cache)])
+        turn2 = torch.cat([out, _prompt(6, 12)], 1)
+        got = tgt.generate(turn2, cache=cache, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                           output_logits=True)
+        ref = tgt.generate(turn2, past_key_values=snap, max_new_tokens=4, do_sample=False,
+                           return_dict_in_generate=True, output_logits=True)
+        torch.testing.assert_close(_logits(got), _logits(ref), atol=1e-4, rtol=1e-4)
+        if ratio == 1.0:
+            assert torch.equal(got.sequences, tgt.generate(turn2, max_new_tokens=4, do_sample=False))
 
 
 def test_mapper_refused_for_another_pair(pair):

@@ -1,0 +1,282 @@
+"""TranslatedCache (RaReCache) on the offline Qwen2.5-Coder 0.5B -> 1.5B pair: retention, scorer validation, time.
+
+Three parts, one run, one JSON (``benchmarks/results/translated.json``) and two plots:
+
+1. **Time, side by side** (first, on a quiet CPU): for ``--timing-n`` SQuAD prompts of about
+   ``--timing-tokens`` tokens, alternating per prompt, the time to the first token of the target's full prefill,
+   of TranslatedCache at ``--timing-ratio`` (source prefill, mapping, selection and recompute all counted) and of
+   the source model answering alone. Reported beside the bound ``1 / (t_source/t_target + ratio + t_map/t_target)``.
+2. **Scorer validation**: on every accuracy item the oracle error of each position (mapped vs the target's own
+   K/V) is known; each scorer's Spearman correlation with it and the overlap of its top-``ratio`` set with the
+   oracle's are reported, for the four rank-disagreement readings as well.
+3. **Retention**: held-out SQuAD questions (single passage, chat QA prompt; the map was calibrated on DROP), for
+   every recompute ratio and scorer: accuracy (a gold answer contained in the reply), retention = accuracy /
+   the target's full-prefill accuracy (paired bootstrap 95% interval), agreement with the target's full-prefill
+   answer (Wilson 95% interval); plus the source alone. The accuracy runs reuse one source prefill per item
+   (``source_cache=``): it does not change the K/V, only the time, which part 1 measures.
+
+    python benchmarks/translated.py [--n 100] [--ratios 0 0.1 0.3 0.5 1] [--timing-n 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+import hf_kvreuse
+from hf_kvreuse import (FirstLayerDeviationScorer, OracleScorer, RandomScorer, RankDisagreementScorer, TranslatedCache,
+                        enable, load_qwen)
+from hf_kvreuse.compat import cache_kwargs
+from hf_kvreuse.datasets import contains_answer, context_for, qa_chat_ids, squad
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.translation.pairs import qwen_pair_mapper
+
+HERE = Path(__file__).resolve().parent
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)
+
+
+def bootstrap_ratio(a: list[int], b: list[int], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap 95% interval of sum(a) / sum(b)."""
+    rng = random.Random(seed)
+    n = len(a)
+    vals = []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        sb = sum(b[i] for i in idx)
+        if sb:
+            vals.append(sum(a[i] for i in idx) / sb)
+    vals.sort()
+    return (vals[int(0.025 * len(vals))], vals[int(0.975 * len(vals)) - 1]) if vals else (float("nan"),) * 2
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra = a.float().argsort().argsort().float()
+    rb = b.float().argsort().argsort().float()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
+
+
+def answer(tok, model, ids, max_new, **kw) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, **kw)
+    dt = time.perf_counter() - t0
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip().split("\n")[0], dt
+
+
+def ttft(model, ids, **kw) -> float:
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, do_sample=False, **kw)
+    return time.perf_counter() - t0
+
+
+def scorer_set(mapper):
+    return {
+        "rank": RankDisagreementScorer(mapper),
+        "rank-whitened-cov": RankDisagreementScorer(mapper, variant="whitened"),
+        "rank-energy-svd": RankDisagreementScorer(mapper, basis="svd"),
+        "rank-whitened-svd": RankDisagreementScorer(mapper, variant="whitened", basis="svd"),
+        "random": RandomScorer(0),
+        "first-layer": FirstLayerDeviationScorer(),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100, help="held-out SQuAD questions for accuracy")
+    p.add_argument("--offset", type=int, default=0, help="first SQuAD item")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.1, 0.3, 0.5, 1.0])
+    p.add_argument("--scorers", nargs="+", default=["rank", "random", "oracle", "first-layer"])
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--timing-n", type=int, default=6)
+    p.add_argument("--timing-tokens", type=int, default=1024)
+    p.add_argument("--timing-ratio", type=float, default=0.3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(HERE / "results" / "translated.json"))
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    src, tok = load_qwen("0.5b", dtype=torch.bfloat16)
+    tgt, _ = load_qwen("1.5b", dtype=torch.bfloat16)
+    enable(tgt)
+    enable(src)
+    mapper = qwen_pair_mapper(src, tgt, tok)
+    items = squad()
+    meta = {"command": "python benchmarks/translated.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "args": vars(a), "torch": torch.__version__, "transformers": transformers.__version__,
+            "hf_kvreuse": hf_kvreuse.__version__, "machine": platform.processor() or platform.machine(),
+            "threads": a.threads, "dtype": "bfloat16", "mapper": repr(mapper), "mapper_info": mapper.info,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    print(meta["mapper"], flush=True)
+
+    # -- 1. time, side by side --------------------------------------------------------------------------------
+    timing = []
+    for i in range(a.timing_n):
+        it = items[500 + 7 * i]
+        ctx = context_for(items, it, tok, a.timing_tokens)
+        ids = torch.tensor([qa_chat_ids(tok, ctx, it.question)[0]])
+        suffix = qa_chat_ids(tok, ctx, it.question)[1]
+        if i == 0:
+            ttft(tgt, ids)  # warm-up
+        row = {"tokens": ids.shape[1]}
+        order = ["full", "translated", "source"] if i % 2 == 0 else ["source", "translated", "full"]
+        for what in order:
+            if what == "full":
+                row["full_s"] = ttft(tgt, ids)
+            elif what == "source":
+                row["source_s"] = ttft(src, ids)
+            else:
+                c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=a.timing_ratio, suffix_tokens=suffix)
+                row["translated_s"] = ttft(tgt, ids, cache=c)
+                row.update({f"t_{k}": v for k, v in c.stats.as_dict().items()})
+        row["speedup"] = row["full_s"] / row["translated_s"]
+        rec = row["t_recomputed_tokens"] / row["t_prompt_tokens"]
+        row["bound"] = 1.0 / (row["t_source_prefill_s"] / row["full_s"] + rec + row["t_map_s"] / row["full_s"])
+        timing.append(row)
+        print(f"timing {i}: {row['tokens']} tok, full {row['full_s']:.2f}s translated {row['translated_s']:.2f}s "
+              f"(source {row['t_source_prefill_s']:.2f} map {row['t_map_s']:.3f} select {row['t_select_s']:.3f} "
+              f"recompute {row['t_recompute_s']:.2f}) speedup {row['speedup']:.2f} bound {row['bound']:.2f}",
+              flush=True)
+
+    # -- 2 + 3. validation and retention ------------------------------------------------------------------------
+    configs = [(r, s) for r in a.ratios for s in (a.scorers if 0 < r < 1 else ["-"])]
+    per_item = []
+    validation = {name: {"spearman": [], "overlap": []} for name in scorer_set(mapper)}
+    t_start = time.perf_counter()
+    for j, it in enumerate(items[a.offset:a.offset + a.n]):
+        ids_list, suffix = qa_chat_ids(tok, it.passage, it.question)
+        ids = torch.tensor([ids_list])
+        n = ids.shape[1] - 1
+        full_out = tgt.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+        full_ans = tok.decode(full_out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip().split("\n")[0]
+        true_kv = [(k[..., :n, :].clone(), v[..., :n, :].clone()) for k, v in kv_of(full_out.past_key_values)]
+        src_ans, _ = answer(tok, src, ids, a.max_new_tokens)
+        sc = DynamicCache(config=src.config)
+        with torch.no_grad():
+            src(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **cache_kwargs(sc))
+        # validation: every scorer on the same translated K/V
+        oracle = OracleScorer(true_kv)
+        probe = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.0, source_cache=sc)
+        scorers = scorer_set(mapper)
+        for s in scorers.values():
+            s.reset(n, ids.device)
+        observers = [s.observe for s in scorers.values()]
+        kv = mapper.translate(kv_of(sc), torch.arange(n), probe._src_shifter, probe._shifter, torch.bfloat16,
+                              observe=lambda t, k, v: [f(t, k, v) for f in observers])
+        oracle.reset(n, ids.device)
+        err = oracle.scores(probe, kv)
+        k30 = max(1, int(0.3 * n))
+        top_oracle = set(torch.topk(err, k30).indices.tolist())
+        for name, s in scorers.items():
+            sco = s.scores(probe, [(k.clone(), v.clone()) for k, v in kv]) if name == "first-layer" else s.scores(probe, kv)
+            validation[name]["spearman"].append(spearman(sco.cpu(), err))
+            validation[name]["overlap"].append(len(top_oracle & set(torch.topk(sco.cpu(), k30).indices.tolist())) / k30)
+        rec = {"i": a.offset + j, "tokens": ids.shape[1], "gold": list(it.answers), "full": full_ans,
+               "full_ok": contains_answer(full_ans, it.answers), "source": src_ans,
+               "source_ok": contains_answer(src_ans, it.answers), "runs": {}}
+        for ratio, sname in configs:
+            sel = {"oracle": OracleScorer(true_kv), "-": "rank"}.get(sname, sname)
+            c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=ratio, selector=sel, suffix_tokens=suffix,
+                                source_cache=sc)
+            ans, dt = answer(tok, tgt, ids, a.max_new_tokens, cache=c)
+            rec["runs"][f"{ratio}/{sname}"] = {"answer": ans, "ok": contains_answer(ans, it.answers),
+                                              "agree": ans == full_ans, "recomputed": c.stats.recomputed_tokens}
+        per_item.append(rec)
+        el = time.perf_counter() - t_start
+        print(f"item {j + 1}/{a.n} ({el / (j + 1):.1f} s/item): full {rec['full_ok']} src {rec['source_ok']} "
+              + " ".join(f"{k}:{int(v['ok'])}{'=' if v['agree'] else '!'}" for k, v in rec["runs"].items()), flush=True)
+
+    # -- summary ---------------------------------------------------------------------------------------------
+    full_ok = [int(r["full_ok"]) for r in per_item]
+    N = len(per_item)
+    summary = {"n": N, "full_accuracy": sum(full_ok) / N, "full_ci": wilson(sum(full_ok), N)}
+    src_ok = [int(r["source_ok"]) for r in per_item]
+    summary["source_alone"] = {"accuracy": sum(src_ok) / N, "ci": wilson(sum(src_ok), N),
+                               "retention": sum(src_ok) / max(1, sum(full_ok)),
+                               "retention_ci": bootstrap_ratio(src_ok, full_ok),
+                               "agreement": sum(r["source"] == r["full"] for r in per_item) / N}
+    rows = []
+    for ratio, sname in configs:
+        key = f"{ratio}/{sname}"
+        ok = [int(r["runs"][key]["ok"]) for r in per_item]
+        agree = sum(r["runs"][key]["agree"] for r in per_item)
+        rows.append({"ratio": ratio, "scorer": sname, "accuracy": sum(ok) / N, "accuracy_ci": wilson(sum(ok), N),
+                     "retention": sum(ok) / max(1, sum(full_ok)), "retention_ci": bootstrap_ratio(ok, full_ok),
+                     "agreement": agree / N, "agreement_ci": wilson(agree, N),
+                     "recomputed_share": statistics.mean(r["runs"][key]["recomputed"] / (r["tokens"] - 1)
+                                                         for r in per_item)})
+    summary["rows"] = rows
+    summary["validation"] = {k: {"spearman_mean": statistics.mean(v["spearman"]),
+                                 "top30_overlap_mean": statistics.mean(v["overlap"])} for k, v in validation.items()}
+    med = lambda key: statistics.median(r[key] for r in timing)  # noqa: E731
+    summary["timing"] = {"n": len(timing), "tokens_median": med("tokens"), "full_s": med("full_s"),
+                         "translated_s": med("translated_s"), "source_alone_s": med("source_s"),
+                         "source_prefill_s": med("t_source_prefill_s"), "map_s": med("t_map_s"),
+                         "select_s": med("t_select_s"), "recompute_s": med("t_recompute_s"),
+                         "speedup": med("speedup"), "bound": med("bound"),
+                         "speedup_share_of_bound": med("speedup") / med("bound"), "ratio": a.timing_ratio}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing, "items": per_item}, indent=1))
+    print(json.dumps(summary, indent=1))
+    plot(summary, out.with_suffix(""))
+
+
+def plot(summary: dict, stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    rows = summary["rows"]
+    ends = [r for r in rows if r["scorer"] == "-"]
+    for sname in sorted({r["scorer"] for r in rows} - {"-"}):
+        pts = sorted([r for r in rows if r["scorer"] == sname] + ends, key=lambda r: r["ratio"])
+        ax[0].errorbar([r["ratio"] for r in pts], [100 * r["retention"] for r in pts],
+                       yerr=[[100 * (r["retention"] - r["retention_ci"][0]) for r in pts],
+                             [100 * (r["retention_ci"][1] - r["retention"]) for r in pts]], label=sname, capsize=3,
+                       marker="o")
+    ax[0].axhline(100 * summary["source_alone"]["retention"], ls=":", c="gray", label="source alone")
+    ax[0].axhline(95, ls="--", c="k", lw=0.8)
+    ax[0].set_xlabel("recompute ratio")
+    ax[0].set_ylabel("retention of full-prefill accuracy (%)")
+    ax[0].set_title(f"Qwen2.5-Coder 0.5B -> 1.5B, SQuAD n={summary['n']}")
+    ax[0].legend(fontsize=8)
+    t = summary["timing"]
+    parts = [("source prefill", t["source_prefill_s"]), ("map", t["map_s"]), ("select", t["select_s"]),
+             ("recompute", t["recompute_s"])]
+    left = 0.0
+    for name, val in parts:
+        ax[1].barh(["translated"], [val], left=left, label=name)
+        left += val
+    ax[1].barh(["full prefill"], [t["full_s"]], color="gray")
+    ax[1].barh(["source alone"], [t["source_alone_s"]], color="lightgray")
+    ax[1].set_xlabel(f"seconds to first token (~{int(t['tokens_median'])} tokens, ratio {t['ratio']})")
+    ax[1].set_title(f"speed-up {t['speedup']:.2f}x (bound {t['bound']:.2f}x)")
+    ax[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{stem}.png", dpi=120)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
