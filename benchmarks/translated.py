@@ -6,9 +6,10 @@ Three parts, one run, one JSON (``benchmarks/results/translated.json``) and two 
    ``--timing-tokens`` tokens, alternating per prompt, the time to the first token of the target's full prefill,
    of TranslatedCache at ``--timing-ratio`` (source prefill, mapping, selection and recompute all counted) and of
    the source model answering alone. Reported beside the bound ``1 / (t_source/t_target + ratio + t_map/t_target)``.
-2. **Scorer validation**: on every accuracy item the oracle error of each position (mapped vs the target's own
-   K/V) is known; each scorer's Spearman correlation with it and the overlap of its top-``ratio`` set with the
-   oracle's are reported, for the four rank-disagreement readings as well.
+2. **Scorer validation** (METHODS.md §2.4.b step 7), on ``--val-n`` held-out DROP prompts (the calibration
+   set's dataset, prompts it did not use): the oracle error of each position (mapped vs the target's own K/V)
+   is known; each scorer's Spearman correlation with it and the overlap of its top-30% set with the oracle's
+   are reported, for the four rank-disagreement readings as well.
 3. **Retention**: held-out SQuAD questions (single passage, chat QA prompt; the map was calibrated on DROP), for
    every recompute ratio and scorer: accuracy (a gold answer contained in the reply), retention = accuracy /
    the target's full-prefill accuracy (paired bootstrap 95% interval), agreement with the target's full-prefill
@@ -107,10 +108,12 @@ def main(argv=None) -> None:
     p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.1, 0.3, 0.5, 1.0])
     p.add_argument("--scorers", nargs="+", default=["rank", "random", "oracle", "first-layer"])
     p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--val-n", type=int, default=40, help="held-out DROP prompts for scorer validation")
     p.add_argument("--timing-n", type=int, default=6)
     p.add_argument("--timing-tokens", type=int, default=1024)
     p.add_argument("--timing-ratio", type=float, default=0.3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the timing part")
+    p.add_argument("--acc-threads", type=int, default=None, help="torch threads for parts 2-3 (default: --threads)")
     p.add_argument("--out", default=str(HERE / "results" / "translated.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -156,22 +159,21 @@ def main(argv=None) -> None:
               f"recompute {row['t_recompute_s']:.2f}) speedup {row['speedup']:.2f} bound {row['bound']:.2f}",
               flush=True)
 
-    # -- 2 + 3. validation and retention ------------------------------------------------------------------------
-    configs = [(r, s) for r in a.ratios for s in (a.scorers if 0 < r < 1 else ["-"])]
-    per_item = []
+    # -- 2. scorer validation on held-out DROP prompts --------------------------------------------------------
+    torch.set_num_threads(a.acc_threads or a.threads)
+    from hf_kvreuse.translation.pairs import calibration_ids
+
     validation = {name: {"spearman": [], "overlap": []} for name in scorer_set(mapper)}
-    t_start = time.perf_counter()
-    for j, it in enumerate(items[a.offset:a.offset + a.n]):
-        ids_list, suffix = qa_chat_ids(tok, it.passage, it.question)
-        ids = torch.tensor([ids_list])
+    n_calib = int(mapper.info.get("calibration_sequences", 64))
+    for j, vids in enumerate(calibration_ids(tok, n_calib + a.val_n, 512)[n_calib:]):
+        ids = vids.reshape(1, -1)
         n = ids.shape[1] - 1
-        full_out = tgt.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False, return_dict_in_generate=True)
-        full_ans = tok.decode(full_out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip().split("\n")[0]
-        true_kv = [(k[..., :n, :].clone(), v[..., :n, :].clone()) for k, v in kv_of(full_out.past_key_values)]
-        src_ans, _ = answer(tok, src, ids, a.max_new_tokens)
+        tc = DynamicCache(config=tgt.config)
         sc = DynamicCache(config=src.config)
         with torch.no_grad():
+            tgt(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **cache_kwargs(tc))
             src(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **cache_kwargs(sc))
+        true_kv = kv_of(tc)
         # validation: every scorer on the same translated K/V
         oracle = OracleScorer(true_kv)
         probe = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.0, source_cache=sc)
@@ -189,6 +191,24 @@ def main(argv=None) -> None:
             sco = s.scores(probe, [(k.clone(), v.clone()) for k, v in kv]) if name == "first-layer" else s.scores(probe, kv)
             validation[name]["spearman"].append(spearman(sco.cpu(), err))
             validation[name]["overlap"].append(len(top_oracle & set(torch.topk(sco.cpu(), k30).indices.tolist())) / k30)
+    print("validation (Spearman with the oracle, top-30% overlap):", {k: (round(statistics.mean(v["spearman"]), 3),
+          round(statistics.mean(v["overlap"]), 3)) for k, v in validation.items()}, flush=True)
+
+    # -- 3. retention ----------------------------------------------------------------------------------------------
+    configs = [(r, s) for r in a.ratios for s in (a.scorers if 0 < r < 1 else ["-"])]
+    per_item = []
+    t_start = time.perf_counter()
+    for j, it in enumerate(items[a.offset:a.offset + a.n]):
+        ids_list, suffix = qa_chat_ids(tok, it.passage, it.question)
+        ids = torch.tensor([ids_list])
+        n = ids.shape[1] - 1
+        full_out = tgt.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+        full_ans = tok.decode(full_out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip().split("\n")[0]
+        true_kv = [(k[..., :n, :].clone(), v[..., :n, :].clone()) for k, v in kv_of(full_out.past_key_values)]
+        src_ans, _ = answer(tok, src, ids, a.max_new_tokens)
+        sc = DynamicCache(config=src.config)
+        with torch.no_grad():
+            src(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **cache_kwargs(sc))
         rec = {"i": a.offset + j, "tokens": ids.shape[1], "gold": list(it.answers), "full": full_ans,
                "full_ok": contains_answer(full_ans, it.answers), "source": src_ans,
                "source_ok": contains_answer(src_ans, it.answers), "runs": {}}

@@ -6,6 +6,7 @@ from .blend import BlendCache
 from .block_reuse import BlockReuseCache, BlockReuseStats, find_blocks
 from .direct import DirectReuseCache
 from .epic import EPICCache
+from .latent_remedy import LatentRemedyCache, LatentRemedyStats
 from .offset import OffsetCache
 from .optimistic import OptimisticCache, OptimisticStats
 from .tail import TailRecomputeCache
@@ -13,4 +14,5 @@ from .translated import TranslatedCache, TranslatedStats
 
 __all__ = ["KVReuseCache", "OptimisticCache", "OptimisticStats", "BlockReuseCache", "BlockReuseStats", "find_blocks",
            "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache", "OffsetCache",
-           "BaseLRCache", "BaseLRStats", "TurnStats", "TranslatedCache", "TranslatedStats"]
+           "BaseLRCache", "BaseLRStats", "TurnStats", "TranslatedCache", "TranslatedStats",
+           "LatentRemedyCache", "LatentRemedyStats"]

@@ -205,6 +205,10 @@ def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
         return selector
     if selector == "rank":
         return RankDisagreementScorer(mapper)
+    if isinstance(selector, str) and selector.startswith("rank-"):  # rank-{energy,whitened}[-{cov,svd}]
+        parts = selector.split("-")[1:]
+        if len(parts) in (1, 2) and parts[0] in ("energy", "whitened") and (len(parts) == 1 or parts[1] in ("cov", "svd")):
+            return RankDisagreementScorer(mapper, variant=parts[0], basis=parts[1] if len(parts) == 2 else "cov")
     if selector == "random":
         return RandomScorer(seed)
     if selector == "oracle":
@@ -213,4 +217,5 @@ def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
         return OracleScorer(target_kv)
     if selector == "first-layer":
         return FirstLayerDeviationScorer()
-    raise ValueError(f"unknown selector {selector!r}: choose one of {SCORERS} or pass a Scorer")
+    raise ValueError(f"unknown selector {selector!r}: choose one of {SCORERS} (or rank-{{energy,whitened}}[-{{cov,svd}}]) "
+                     "or pass a Scorer")

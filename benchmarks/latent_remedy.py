@@ -1,0 +1,193 @@
+"""LatentRemedy on conflicting tasks: accuracy and TTFT of every reuse method, side by side in one run.
+
+For each record (two agents, one shared block, different gold answers) and each direction X -> Y (agent Y reuses
+the block K/V that agent X computed under its own prefix), greedy answers of agent Y with:
+
+* ``full``: Y's own full prefill (the teacher; reported per side as full A / full B);
+* ``reuse``: direct reuse of X's block (RoPE-moved), Y's prefix and question computed;
+* ``post``: reuse plus the harness's text bridge after the block ("Current task objective (takes priority): ...");
+* ``tail16``: reuse, the block's last 16 tokens recomputed;
+* ``blend``: CacheBlend (15% of the block rows recomputed after layer 1);
+* ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint).
+
+TTFT (streamer timestamps; the donor's block K/V are in the chunk store beforehand, as in the harness) is reported
+as the median ratio to direct reuse. Accuracy has Wilson 95% intervals; "recovered" is the share of the accuracy
+direct reuse loses that a method wins back, ``(acc - acc_reuse) / (acc_full - acc_reuse)``.
+
+    python benchmarks/latent_remedy.py --model qwen2.5-0.5b [--families extract years order] [--n 50]
+    python benchmarks/latent_remedy.py --model smollm2 --methods full reuse      # the model screen
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache,
+                        TailRecomputeCache, TokenTimer, enable, load_offline)
+from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct, prompt_parts
+
+HERE = Path(__file__).resolve().parent
+METHODS = ("full", "reuse", "post", "tail16", "blend", "latent")
+MODELS = {"smollm2": ("smollm2-135m-instruct", torch.float32), "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct",
+                                                                                  torch.bfloat16)}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)
+
+
+def run(model, tok, ids, cache=None, max_new=8) -> tuple[str, float]:
+    timer = TokenTimer().start()
+    x = torch.tensor([ids])
+    out = model.generate(x, cache=cache, max_new_tokens=max_new, do_sample=False, streamer=timer) if cache is not None \
+        else model.generate(x, max_new_tokens=max_new, do_sample=False, streamer=timer)
+    return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True).strip(), timer.ttft_s
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
+    p.add_argument("--families", nargs="+", default=list(HELDOUT_FAMILIES))
+    p.add_argument("--n", type=int, default=50, help="records per family (each gives two directions)")
+    p.add_argument("--seed", type=int, default=1000, help="record seed (training uses other seeds)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--bridge", default=None, help="LatentBridge folder (default: the shipped checkpoint)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    name, dtype = MODELS[a.model]
+    model, tok = load_offline(name, dtype=dtype)
+    enable(model)
+    bridge = None
+    if "latent" in a.methods:
+        bridge = LatentBridge.from_pretrained(model, a.bridge)
+    rows = []
+    t_start = time.perf_counter()
+    for fam in a.families:
+        for r_i, rec in enumerate(conflict_records(fam, a.n, seed=a.seed)):
+            parts = {s: prompt_parts(tok, rec, s) for s in "ab"}
+            posts = {s: prompt_parts(tok, rec, s, post=True) for s in "ab"} if "post" in a.methods else {}
+            store = ChunkStore()
+            full = {}
+            for side in "ab":
+                ids, _ = parts[side]
+                ans, ttft = run(model, tok, ids, max_new=a.max_new_tokens)
+                full[side] = ans
+                rows.append({"family": fam, "record": r_i, "direction": f"full_{side}", "method": "full",
+                             "answer": ans, "ok": is_correct(ans, rec.gold(side)), "ttft_s": ttft})
+            for src, tgt in (("a", "b"), ("b", "a")):
+                donor_ids, (ds, de) = parts[src]
+                ids, span = parts[tgt]
+                prefix = torch.tensor(donor_ids[:ds])
+                store.get_or_compute(model, torch.tensor(ids[span[0]:span[1]]), prefix)  # the donor's block K/V
+                for method in a.methods:
+                    if method == "full":
+                        continue
+                    use_ids, use_span = (posts[tgt] if method == "post" else (ids, span))
+                    kw = dict(store=store, block_prefix_ids=prefix)
+                    cache = {"reuse": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
+                             "post": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
+                             "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
+                             "blend": lambda: BlendCache(model, torch.tensor([use_ids]), [use_span], **kw),
+                             "latent": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
+                                                                 bridge=bridge, **kw)}[method]()
+                    ans, ttft = run(model, tok, use_ids, cache, a.max_new_tokens)
+                    rows.append({"family": fam, "record": r_i, "direction": f"{src}->{tgt}", "method": method,
+                                 "answer": ans, "ok": is_correct(ans, rec.gold(tgt)), "agree_full": ans == full[tgt],
+                                 "ttft_s": ttft})
+            done = sum(1 for r in rows if r["method"] == "full") // 2
+            if done % 10 == 0:
+                print(f"{fam} {r_i + 1}/{a.n} ({(time.perf_counter() - t_start) / done:.1f} s/record)", flush=True)
+    summary = summarize(rows, a.methods)
+    out = Path(a.out or HERE / "results" / f"latent_remedy_{a.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python benchmarks/latent_remedy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "args": vars(a), "bridge": None if bridge is None else {"n_latent": bridge.n_latent, **bridge.info},
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary, indent=1))
+    if len(a.methods) > 2:
+        plot(summary, out.with_suffix(".png"))
+
+
+def summarize(rows: list[dict], methods) -> dict:
+    out = {}
+    fams = sorted({r["family"] for r in rows}) + ["all"]
+    for fam in fams:
+        sel = [r for r in rows if fam == "all" or r["family"] == fam]
+        res = {}
+        for side in "ab":
+            ok = [r["ok"] for r in sel if r["direction"] == f"full_{side}"]
+            res[f"full_{side}"] = {"acc": sum(ok) / len(ok), "ci": wilson(sum(ok), len(ok)), "n": len(ok)}
+        ok = [r["ok"] for r in sel if r["method"] == "full"]
+        res["full"] = {"acc": sum(ok) / len(ok), "ci": wilson(sum(ok), len(ok)), "n": len(ok)}
+        for m in methods:
+            if m == "full":
+                continue
+            rs = [r for r in sel if r["method"] == m]
+            k = sum(r["ok"] for r in rs)
+            res[m] = {"acc": k / len(rs), "ci": wilson(k, len(rs)), "n": len(rs),
+                      "agree_full": sum(r["agree_full"] for r in rs) / len(rs),
+                      "ttft_s": statistics.median(r["ttft_s"] for r in rs)}
+            for d in ("a->b", "b->a"):
+                dk = [r["ok"] for r in rs if r["direction"] == d]
+                res[m][d] = sum(dk) / max(1, len(dk))
+        if "reuse" in res:
+            lost = res["full"]["acc"] - res["reuse"]["acc"]
+            for m in methods:
+                if m in ("full", "reuse"):
+                    continue
+                res[m]["recovered"] = (res[m]["acc"] - res["reuse"]["acc"]) / lost if lost > 0 else float("nan")
+                # TTFT ratio to direct reuse, per (record, direction) pair, median
+                ratios = []
+                for r in (x for x in sel if x["method"] == m):
+                    base = next(x for x in sel if x["method"] == "reuse" and x["record"] == r["record"]
+                                and x["direction"] == r["direction"] and x["family"] == r["family"])
+                    ratios.append(r["ttft_s"] / base["ttft_s"])
+                res[m]["ttft_vs_reuse"] = statistics.median(ratios)
+        out[fam] = res
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = summary["all"]
+    methods = [m for m in ("full", "reuse", "post", "tail16", "blend", "latent") if m in res]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    accs = [100 * res[m]["acc"] for m in methods]
+    errs = [[100 * (res[m]["acc"] - res[m]["ci"][0]) for m in methods],
+            [100 * (res[m]["ci"][1] - res[m]["acc"]) for m in methods]]
+    ax[0].bar(methods, accs, yerr=errs, capsize=3)
+    ax[0].set_ylabel("accuracy on held-out families (%)")
+    ttft = [res[m].get("ttft_vs_reuse", float("nan")) for m in methods if m not in ("full", "reuse")]
+    ax[1].bar([m for m in methods if m not in ("full", "reuse")], ttft)
+    ax[1].axhline(1.0, c="k", lw=0.8)
+    ax[1].axhline(1.2, c="r", ls="--", lw=0.8)
+    ax[1].set_ylabel("TTFT / direct reuse (median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Conflicting-task records: two agents read the same block under opposite objectives (METHODS.md §2.2, §4.3).
+
+The record shape of the LatentRemedy harness (chenzhwsysu57/kvreuse ``kvreuse_data/schema.py``):
+``prefix_a, prefix_b, shared_block, question, gold_a, gold_b`` with ``gold_a != gold_b``. The question is the same
+for both agents, so only the agent's own prefix says what to do: exactly what direct reuse of a block computed
+under the *other* prefix puts at risk.
+
+Every family's answers are checkable by construction (seeded generators, no model involved):
+
+* ``utility``: each agent picks the allocation that maximises its own item values (Deal-or-No-Deal style);
+* ``retrieval``: each agent reports the value of its own key in a key-value list;
+* ``count``: each agent counts the objects with its own attribute (colour vs size);
+* ``extract``: each agent extracts its own field of a record card (e.g. city vs year);
+* ``years``: on a real SQuAD passage with at least two distinct years, one agent reports the earliest year
+  mentioned, the other the latest;
+* ``order``: each agent names the first or the last item of a list.
+
+:data:`TRAIN_FAMILIES` and :data:`HELDOUT_FAMILIES` are disjoint: a bridge is trained on the first and evaluated
+on the second.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass
+
+TRAIN_FAMILIES = ("utility", "retrieval", "count")
+HELDOUT_FAMILIES = ("extract", "years", "order")
+QUESTION = "Give only your answer, nothing else."
+
+
+@dataclass(frozen=True)
+class ConflictRecord:
+    family: str
+    prefix_a: str
+    prefix_b: str
+    shared_block: str
+    question: str
+    gold_a: str
+    gold_b: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def prefix(self, side: str) -> str:
+        return self.prefix_a if side == "a" else self.prefix_b
+
+    def gold(self, side: str) -> str:
+        return self.gold_a if side == "a" else self.gold_b
+
+
+_ITEMS = ("books", "hats", "balls")
+_NAMES = ("Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kofi", "Lena",
+          "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yara")
+_CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Dakar", "Perth", "Bergen", "Cusco",
+           "Tbilisi", "Accra", "Bogota", "Kyoto", "Porto", "Riga")
+_JOBS = ("baker", "pilot", "nurse", "architect", "chemist", "farmer", "librarian", "welder", "judge", "painter")
+_COLOURS = ("red", "blue", "green", "yellow")
+_SIZES = ("small", "large")
+_SHAPES = ("box", "ball", "cup", "book", "key", "lamp")
+_WORDS = ("apple", "river", "candle", "mirror", "tiger", "violin", "pepper", "anchor", "glacier", "saddle",
+          "button", "comet", "ladder", "marble", "needle", "orchid", "pillow", "quartz", "rocket", "spider")
+
+
+def _utility(rng: random.Random) -> ConflictRecord:
+    while True:
+        va = [rng.randint(0, 9) for _ in _ITEMS]
+        vb = [rng.randint(0, 9) for _ in _ITEMS]
+        options = [[rng.randint(0, 3) for _ in _ITEMS] for _ in range(5)]
+        ua = [sum(x * v for x, v in zip(o, va)) for o in options]
+        ub = [sum(x * v for x, v in zip(o, vb)) for o in options]
+        ia, ib = max(range(5), key=ua.__getitem__), max(range(5), key=ub.__getitem__)
+        if ua.count(ua[ia]) == 1 and ub.count(ub[ib]) == 1 and ia != ib:
+            break
+    letters = "ABCDE"
+    block = "Candidate allocations (how many of each item you would receive):\n" + "\n".join(
+        f"[{letters[i]}] " + ", ".join(f"{n} {it}" for n, it in zip(o, _ITEMS)) for i, o in enumerate(options))
+
+    def prefix(name, vals):
+        return (f"You are {name}. Your value per item is: " + ", ".join(f"{it} = {v}" for it, v in zip(_ITEMS, vals))
+                + ". Choose the allocation with the highest total value for you. Answer with its letter only.")
+
+    return ConflictRecord("utility", prefix("Agent A", va), prefix("Agent B", vb), block, QUESTION, letters[ia],
+                          letters[ib])
+
+
+def _retrieval(rng: random.Random) -> ConflictRecord:
+    keys = rng.sample(_WORDS, 12)
+    vals = [str(rng.randint(100, 999)) for _ in keys]
+    a, b = rng.sample(range(12), 2)
+    block = "Registry:\n" + "\n".join(f"{k}: {v}" for k, v in zip(keys, vals))
+    tmpl = "You are in charge of the entry '{}'. Report the number stored for your entry."
+    return ConflictRecord("retrieval", tmpl.format(keys[a]), tmpl.format(keys[b]), block, QUESTION, vals[a], vals[b])
+
+
+def _count(rng: random.Random) -> ConflictRecord:
+    while True:
+        objs = [(rng.choice(_COLOURS), rng.choice(_SIZES), rng.choice(_SHAPES)) for _ in range(8)]
+        colour, size = rng.choice(_COLOURS), rng.choice(_SIZES)
+        na = sum(o[0] == colour for o in objs)
+        nb = sum(o[1] == size for o in objs)
+        if na != nb and na > 0 and nb > 0:
+            break
+    block = "Objects on the table:\n" + "\n".join(f"- a {c} {s} {sh}" for c, s, sh in objs)
+    return ConflictRecord("count", f"You only care about {colour} objects. Count how many {colour} objects there are. "
+                                   "Answer with a number.",
+                          f"You only care about {size} objects. Count how many {size} objects there are. Answer "
+                          "with a number.", block, QUESTION, str(na), str(nb))
+
+
+def _extract(rng: random.Random) -> ConflictRecord:
+    name = rng.choice(_NAMES)
+    card = {"name": name, "city": rng.choice(_CITIES), "job": rng.choice(_JOBS), "year": str(rng.randint(1950, 2005)),
+            "pet": rng.choice(("cat", "dog", "parrot", "rabbit", "turtle"))}
+    fa, fb = rng.sample(["city", "job", "year", "pet"], 2)
+    block = "Record card:\n" + "\n".join(f"{k}: {v}" for k, v in card.items())
+    what = {"city": "the city", "job": "the job", "year": "the year of birth", "pet": "the pet"}
+    tmpl = "You extract {} from record cards. Report only that field's value."
+    return ConflictRecord("extract", tmpl.format(what[fa]), tmpl.format(what[fb]), block, QUESTION, card[fa], card[fb])
+
+
+def _order(rng: random.Random) -> ConflictRecord:
+    words = rng.sample(_WORDS, 7)
+    block = "List: " + ", ".join(words) + "."
+    return ConflictRecord("order", "You report the FIRST word of the list.", "You report the LAST word of the list.",
+                          block, QUESTION, words[0], words[-1])
+
+
+_YEARS = re.compile(r"\b(1[0-9]{3}|20[0-2][0-9])\b")
+
+
+def _years_records(seed: int, n: int) -> list[ConflictRecord]:
+    from ..datasets import squad
+
+    rng = random.Random(seed)
+    out, seen = [], set()
+    items = squad()
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    for i in order:
+        p = items[i].passage
+        years = sorted({int(y) for y in _YEARS.findall(p)})
+        if p in seen or len(years) < 2 or len(p) > 900:
+            continue
+        seen.add(p)
+        out.append(ConflictRecord("years", "You report the EARLIEST year mentioned in the passage.",
+                                  "You report the LATEST year mentioned in the passage.", "Passage: " + p, QUESTION,
+                                  str(years[0]), str(years[-1])))
+        if len(out) == n:
+            break
+    return out
+
+
+GENERATORS = {"utility": _utility, "retrieval": _retrieval, "count": _count, "extract": _extract, "order": _order}
+FAMILIES = tuple(GENERATORS) + ("years",)
+
+
+def conflict_records(family: str, n: int, seed: int = 0) -> list[ConflictRecord]:
+    """``n`` records of one family (seeded; the same call gives the same records)."""
+    if family == "years":
+        return _years_records(seed, n)
+    if family not in GENERATORS:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    rng = random.Random(f"{family}-{seed}")
+    recs = [GENERATORS[family](rng) for _ in range(n)]
+    assert all(r.gold_a != r.gold_b for r in recs)
+    return recs
+
+
+POST = ("Current task objective (takes priority): {prefix}\nUse the preceding document only according to this "
+        "objective.")
+
+
+def prompt_parts(tokenizer, record: ConflictRecord, side: str, post: bool = False) -> tuple[list[int], tuple[int, int]]:
+    """Chat-template ids of one agent's prompt ``[prefix][block][question]`` and the block's token span.
+
+    One user message ``f"{prefix}\\n\\n{block}\\n\\n{question}"`` (the harness's layout); the span is cut from the
+    full prompt's tokens so the block tokenises the same under either prefix. ``post=True`` adds the harness's
+    text bridge "Post" (the objective restated after the block), the text-level ancestor of LatentRemedy.
+    """
+    prefix = record.prefix(side)
+    tail = (POST.format(prefix=prefix) + "\n\n" if post else "") + record.question
+    msgs = [{"role": "user", "content": f"{prefix}\n\n{record.shared_block}\n\n{tail}"}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    block_ids = tokenizer("\n\n" + record.shared_block, add_special_tokens=False)["input_ids"]
+    # locate the block: the longest run of block tokens after the prefix (tokenisation at its edges may merge)
+    body = tokenizer(record.shared_block, add_special_tokens=False)["input_ids"]
+    for cut in range(0, 4):
+        core = body[cut: len(body) - cut] if cut else body
+        for s in range(len(ids) - len(core) + 1):
+            if ids[s:s + len(core)] == core:
+                return ids, (s, s + len(core))
+    raise ValueError(f"could not locate the shared block in the prompt (tokenisation): {block_ids[:8]}")
+
+
+def is_correct(answer: str, gold: str) -> bool:
+    """The gold string appears in the answer as a whole word (case-insensitive)."""
+    return re.search(rf"(?<![\w]){re.escape(gold.lower())}(?![\w])", answer.lower()) is not None

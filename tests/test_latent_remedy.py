@@ -1,0 +1,223 @@
+"""LatentRemedyCache, LatentBridge and the distillation trainer on tiny random-init models; the conflicting-task
+records with the SmolLM2 tokenizer. Planted bugs: docs/MUTATIONS.md."""
+
+import pytest
+import torch
+
+from hf_kvreuse import (ChunkStore, DirectReuseCache, LatentBridge, LatentBridgeMismatchError, LatentRemedyCache,
+                        enable, tiny_model)
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.latent.train import make_example, student_logits, student_loss
+
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    return enable(tiny_model(request.param, seed=7))
+
+
+def _parts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pa, pb, blk, q = [torch.randint(3, 128, (1, n), generator=g) for n in (6, 9, 30, 7)]
+    return pa, pb, blk, q
+
+
+def _gen(model, ids, cache=None, new=5):
+    kw = dict(max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    return model.generate(ids, cache=cache, **kw) if cache is not None else model.generate(ids, **kw)
+
+
+def _bridge(model, n, seed=0):
+    torch.manual_seed(seed)
+    b = LatentBridge(model, n_latent=n, hidden=32)
+    if n:  # a non-trivial map (an untrained bridge emits n copies of one vector)
+        with torch.no_grad():
+            for p in b.mlp.parameters():
+                p.normal_(0, 0.3)
+    return b
+
+
+def test_zero_latents_is_direct_reuse(model):
+    """n = 0 runs the latent path (prefix rows, then the rows after the block, in two passes) and must equal
+    DirectReuseCache exactly: tokens, logits, K/V. Planted bug: the rows after the block computed before the
+    prefix rows (`post` pass moved ahead of `prefix_hidden`) -> logits differ."""
+    pa, pb, blk, q = _parts()
+    ids = torch.cat([pb, blk, q], 1)
+    store = ChunkStore()
+    ref_cache = DirectReuseCache(model, ids, [(9, 39)], store=store, block_prefix_ids=pa[0])
+    ref = _gen(model, ids, ref_cache)
+    cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=_bridge(model, 0), store=store, block_prefix_ids=pa[0])
+    out = _gen(model, ids, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-5, rtol=1e-5)
+    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref_cache)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def _manual_logits(model, ids, e, z, generated):
+    """The model's own forward over embeddings [ids[:e], z, ids[e:], generated[:-1]] at positions 0..: the
+    definition of latents placed after the block."""
+    emb = model.get_input_embeddings()
+    seq = torch.cat([emb(ids[:, :e]), z.to(emb.weight.dtype), emb(ids[:, e:]), emb(generated[:, :-1])], dim=1)
+    with torch.no_grad():
+        out = model(inputs_embeds=seq)
+    n_after = ids.shape[1] - e + generated.shape[1] - 1
+    return out.logits[0, -generated.shape[1]:], n_after
+
+
+def test_latents_after_the_block_match_the_models_own_forward(model):
+    """With the block under its own prefix (exact K/V), the cache must equal the model's own forward over the
+    embeddings [prefix+block, latents, question, generated tokens] at positions 0.. (first token and every decode
+    step). Planted bug: decoding at logical positions (`before_forward` returns no position_ids) -> decode-step
+    logits differ."""
+    pa, pb, blk, q = _parts(1)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _bridge(model, 4)
+    cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids="own")
+    out = _gen(model, ids, cache, new=5)
+    gen = out.sequences[:, ids.shape[1]:]
+    with torch.no_grad():  # h: the prefix's last hidden state after the final norm, from the model's own forward
+        hidden = model(input_ids=ids[:, :9], output_hidden_states=True).hidden_states[-1][:, -1]
+    z = bridge(hidden)
+    want, _ = _manual_logits(model, ids, 39, z, gen)
+    torch.testing.assert_close(torch.stack(out.logits)[:, 0], want, atol=2e-4, rtol=2e-4)
+
+
+def test_returned_cache_drops_latents_and_continues(model):
+    """After generate the latent rows are gone, the later keys moved back by n (so positions = indices) and the
+    cache continues like transformers' own DynamicCache over the same K/V. Planted bug: `drop_latents` keeps the
+    keys unshifted -> the continuation's logits differ from the reference built from the re-positioned keys."""
+    from transformers import DynamicCache
+
+    from hf_kvreuse.kv import load_kv
+    from hf_kvreuse.rope import RopeShifter
+
+    pa, pb, blk, q = _parts(2)
+    ids = torch.cat([pb, blk, q], 1)
+    cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=_bridge(model, 3), block_prefix_ids=pa[0])
+    captured = {}
+    orig = cache.drop_latents
+
+    def spy():
+        captured["kv"] = [(k.clone(), v.clone()) for k, v in kv_of(cache)]
+        orig()
+    cache.drop_latents = spy
+    out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+    assert cache.physical_length() == out.shape[1] - 1 and cache.get_seq_length() == out.shape[1] - 1
+    sh = RopeShifter(model)
+    for (k, v), (ck, cv) in zip(kv_of(cache), captured["kv"]):
+        torch.testing.assert_close(k[..., :39, :], ck[..., :39, :])
+        torch.testing.assert_close(k[..., 39:, :], sh.shift(ck[..., 42:, :], -3), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v[..., 39:, :], cv[..., 42:, :])
+    snap = load_kv(DynamicCache(config=model.config), [(k.clone(), v.clone()) for k, v in kv_of(cache)])
+    turn2 = torch.cat([out, q], 1)
+    got = _gen(model, turn2, cache, new=3)
+    ref = model.generate(turn2, past_key_values=snap, max_new_tokens=3, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_trainer_optimises_what_the_cache_runs(model):
+    """The trainer's differentiable student equals the cache: its logits at the first answer position are the
+    cache's first-token logits. Planted bug: the student's positions not shifted by n (`pos` starts at e - n)
+    -> logits differ."""
+    pa, pb, blk, q = _parts(3)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _bridge(model, 4)
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=3, top_k=16)
+    with torch.no_grad():
+        s = student_logits(model, bridge, ex)
+    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0]), new=1)
+    torch.testing.assert_close(s[0], out.logits[0][0], atol=2e-4, rtol=2e-4)
+
+
+def test_a_few_steps_lower_the_distillation_loss():
+    """Distillation on a fixed batch of 4 examples: 25 AdamW steps lower the loss by more than half."""
+    m = enable(tiny_model("qwen2", seed=3))
+    exs = []
+    for i in range(4):
+        pa, pb, blk, q = _parts(10 + i)
+        exs.append(make_example(m, torch.cat([pb, blk, q], 1), (9, 39), pa[0], n_answer=3, top_k=16))
+    torch.manual_seed(0)
+    br = LatentBridge(m, n_latent=4, hidden=32)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(br.parameters(), lr=1e-2)
+
+    def total():
+        with torch.no_grad():
+            return sum(float(student_loss(m, br, e)) for e in exs)
+    before = total()
+    for _ in range(25):
+        loss = sum(student_loss(m, br, e) for e in exs) / len(exs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert total() < 0.5 * before
+    for p in m.parameters():
+        p.requires_grad_(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shapes_and_dtypes(model, dtype):
+    pa, pb, blk, q = _parts(4)
+    ids = torch.cat([pb, blk, q], 1)
+    m = model.to(dtype)
+    try:
+        bridge = LatentBridge(m, n_latent=6, hidden=16)
+        z = bridge(torch.randn(2, m.config.hidden_size, dtype=dtype))
+        assert z.shape == (2, 6, m.config.hidden_size) and z.dtype == torch.float32
+        cache = LatentRemedyCache(m, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0])
+        out = m.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, ids.shape[1] + 3)
+        assert kv_of(cache)[0][0].dtype == dtype and cache.stats.latent_tokens == 6
+    finally:
+        model.to(torch.float32)
+
+
+def test_save_load_and_refusals(model, tmp_path):
+    bridge = _bridge(model, 4)
+    bridge.save(tmp_path / "b", dtype=torch.float32)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["bridge.json", "bridge.safetensors"]
+    loaded = LatentBridge.load(tmp_path / "b", model)
+    h = torch.randn(1, model.config.hidden_size)
+    torch.testing.assert_close(loaded(h), bridge(h))
+    other = tiny_model("llama", seed=123)
+    with pytest.raises(LatentBridgeMismatchError, match="trained for"):
+        LatentBridge.load(tmp_path / "b", other)
+    with pytest.raises(FileNotFoundError, match="no shipped LatentBridge"):
+        LatentBridge.from_pretrained(other)
+    pa, pb, blk, q = _parts(5)
+    ids = torch.cat([pb, blk, q], 1)
+    with pytest.raises(ValueError, match="prefix"):
+        LatentRemedyCache(model, ids, [(0, 20)], bridge=bridge)
+    with pytest.raises(TypeError, match="LatentBridge"):
+        LatentRemedyCache(model, ids, [(9, 39)], bridge="b")
+    with pytest.raises(ValueError, match="hidden size"):
+        LatentRemedyCache(model, ids, [(9, 39)], bridge=LatentBridge(tiny_model("llama", hidden_size=32), 2))
+
+
+def test_conflicting_records():
+    """Every family: gold_a != gold_b, seeded, the block's tokens identical in both agents' prompts; train and
+    held-out families disjoint."""
+    from transformers import AutoTokenizer
+
+    from hf_kvreuse import smollm2_path
+    from hf_kvreuse.workflows import (FAMILIES, HELDOUT_FAMILIES, TRAIN_FAMILIES, conflict_records, is_correct,
+                                      prompt_parts)
+
+    assert not set(TRAIN_FAMILIES) & set(HELDOUT_FAMILIES) and set(TRAIN_FAMILIES) | set(HELDOUT_FAMILIES) <= set(FAMILIES)
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    for fam in FAMILIES:
+        recs = conflict_records(fam, 5, seed=3)
+        assert recs == conflict_records(fam, 5, seed=3) and len(recs) == 5
+        for r in recs:
+            assert r.gold_a != r.gold_b
+            ia, sa = prompt_parts(tok, r, "a")
+            ib, sb = prompt_parts(tok, r, "b")
+            assert ia[sa[0]:sa[1]] == ib[sb[0]:sb[1]] and sa[1] - sa[0] > 5
+            assert is_correct(f"The answer is {r.gold_a}.", r.gold_a) and not is_correct("nothing", r.gold_a)
+    with pytest.raises(ValueError, match="unknown family"):
+        conflict_records("chess", 1)
