@@ -6,10 +6,13 @@ import torch
 
 from hf_kvreuse import (ChunkStore, DirectReuseCache, LatentBridge, LatentBridgeMismatchError, LatentRemedyCache,
                         enable, tiny_model)
+from hf_kvreuse.compat import HAS_QUERY_OFFSET
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.latent.train import make_example, student_logits, student_loss
 
 ARCHS = ["llama", "qwen2", "mistral"]
+# latent rows are cache entries that are not prompt tokens: sizing the mask for them needs Cache.get_query_offset
+needs_offset = pytest.mark.skipif(not HAS_QUERY_OFFSET, reason="latent tokens need transformers>=5.17")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -67,6 +70,7 @@ def _manual_logits(model, ids, e, z, generated):
     return out.logits[0, -generated.shape[1]:], n_after
 
 
+@needs_offset
 def test_latents_after_the_block_match_the_models_own_forward(model):
     """With the block under its own prefix (exact K/V), the cache must equal the model's own forward over the
     embeddings [prefix+block, latents, question, generated tokens] at positions 0.. (first token and every decode
@@ -85,6 +89,7 @@ def test_latents_after_the_block_match_the_models_own_forward(model):
     torch.testing.assert_close(torch.stack(out.logits)[:, 0], want, atol=2e-4, rtol=2e-4)
 
 
+@needs_offset
 def test_returned_cache_drops_latents_and_continues(model):
     """After generate the latent rows are gone, the later keys moved back by n (so positions = indices) and the
     cache continues like transformers' own DynamicCache over the same K/V. Planted bug: `drop_latents` keeps the
@@ -119,6 +124,7 @@ def test_returned_cache_drops_latents_and_continues(model):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
 
 
+@needs_offset
 def test_trainer_optimises_what_the_cache_runs(model):
     """The trainer's differentiable student equals the cache: its logits at the first answer position are the
     cache's first-token logits. Planted bug: the student's positions not shifted by n (`pos` starts at e - n)
@@ -131,6 +137,19 @@ def test_trainer_optimises_what_the_cache_runs(model):
         s = student_logits(model, bridge, ex)
     out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0]), new=1)
     torch.testing.assert_close(s[0], out.logits[0][0], atol=2e-4, rtol=2e-4)
+
+
+def test_old_transformers_refused_clearly():
+    """Below 5.17 a bridge with latents is refused at construction, naming the release; n = 0 still works."""
+    m = enable(tiny_model("llama"))
+    pa, pb, blk, q = _parts(6)
+    ids = torch.cat([pb, blk, q], 1)
+    LatentRemedyCache(m, ids, [(9, 39)], bridge=_bridge(m, 0))
+    if HAS_QUERY_OFFSET:
+        LatentRemedyCache(m, ids, [(9, 39)], bridge=_bridge(m, 2))
+    else:
+        with pytest.raises(NotImplementedError, match="5.17"):
+            LatentRemedyCache(m, ids, [(9, 39)], bridge=_bridge(m, 2))
 
 
 def test_a_few_steps_lower_the_distillation_loss():
@@ -160,6 +179,7 @@ def test_a_few_steps_lower_the_distillation_loss():
         p.requires_grad_(True)
 
 
+@needs_offset
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shapes_and_dtypes(model, dtype):
     pa, pb, blk, q = _parts(4)
@@ -192,7 +212,7 @@ def test_save_load_and_refusals(model, tmp_path):
     pa, pb, blk, q = _parts(5)
     ids = torch.cat([pb, blk, q], 1)
     with pytest.raises(ValueError, match="prefix"):
-        LatentRemedyCache(model, ids, [(0, 20)], bridge=bridge)
+        LatentRemedyCache(model, ids, [(0, 20)], bridge=_bridge(model, 0))
     with pytest.raises(TypeError, match="LatentBridge"):
         LatentRemedyCache(model, ids, [(9, 39)], bridge="b")
     with pytest.raises(ValueError, match="hidden size"):

@@ -34,7 +34,7 @@ from .block_reuse import BlockReuseCache, BlockReuseStats
 @dataclass
 class LatentRemedyStats(BlockReuseStats):
     latent_tokens: int = 0
-    bridge_s: float = 0.0  # the bridge MLP and the latents' forward
+    bridge_s: float = 0.0  # the bridge MLP and the one pass over the latents and the rows after them
 
 
 class LatentRemedyCache(BlockReuseCache):
@@ -97,10 +97,8 @@ class LatentRemedyCache(BlockReuseCache):
             ids = self.input_ids[:, :covered]
             h = self.prefix_hidden(ids, pre, kv)
             t1 = now(device)
-            kv, ids_ext = self.insert_latents(kv, ids, e, h)
+            kv = self.insert_latents(kv, ids, e, h, post)
             t2 = now(device)
-            if post.numel():
-                partial_forward(self.model, ids_ext, post + self.n_latent, kv, layers=range(len(kv)))
         load_kv(self, kv)
         self.logical_offset = -self.n_latent
         self._latents_at = e
@@ -127,22 +125,27 @@ class LatentRemedyCache(BlockReuseCache):
         p = next(self.model.parameters())
         return self.bridge.to(p.device)(h).to(p.dtype)
 
-    def insert_latents(self, kv: KV, ids: torch.Tensor, e: int, h: torch.Tensor) -> tuple[KV, torch.Tensor]:
-        """``kv`` with ``n`` latent rows computed at ``e .. e+n-1`` (the rows from ``e`` on move up by ``n``)."""
+    def insert_latents(self, kv: KV, ids: torch.Tensor, e: int, h: torch.Tensor, post: torch.Tensor) -> KV:
+        """``kv`` with ``n`` latent rows at ``e .. e+n-1`` (the rows from ``e`` on move up by ``n``), computed in one
+        pass together with the rows ``post`` after them (the question), which attend to the latents."""
         n = self.n_latent
-        if n == 0:
-            return kv, ids
-        out = []
-        for k, v in kv:
-            k2 = torch.cat([k[..., :e, :], k.new_zeros(*k.shape[:-2], n, k.shape[-1]), k[..., e:, :]], dim=-2)
-            v2 = torch.cat([v[..., :e, :], v.new_zeros(*v.shape[:-2], n, v.shape[-1]), v[..., e:, :]], dim=-2)
-            out.append((k2, v2))
-        kv.clear()
+        if n:
+            out = []
+            for k, v in kv:
+                k2 = torch.cat([k[..., :e, :], k.new_zeros(*k.shape[:-2], n, k.shape[-1]), k[..., e:, :]], dim=-2)
+                v2 = torch.cat([v[..., :e, :], v.new_zeros(*v.shape[:-2], n, v.shape[-1]), v[..., e:, :]], dim=-2)
+                out.append((k2, v2))
+            kv.clear()
+            kv = out
         ids_ext = torch.cat([ids[:, :e], ids.new_zeros(1, n), ids[:, e:]], dim=1)
-        z = self.latent_embeddings(h)
-        partial_forward(self.model, ids_ext, torch.arange(e, e + n, device=ids.device), out,
-                        layers=range(len(out)), hidden_states=z)
-        return out, ids_ext
+        rows = torch.cat([torch.arange(e, e + n, device=ids.device), post + n])
+        if rows.numel():
+            embed = self.model.get_input_embeddings()
+            hidden = embed(ids_ext[:, post + n])
+            if n:
+                hidden = torch.cat([self.latent_embeddings(h), hidden], dim=1)
+            partial_forward(self.model, ids_ext, rows, kv, layers=range(len(kv)), hidden_states=hidden)
+        return kv
 
     # -- decoding at physical positions ----------------------------------------------------------------------
     def before_forward(self, input_ids, next_sequence_length):

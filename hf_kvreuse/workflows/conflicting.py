@@ -13,7 +13,11 @@ Every family's answers are checkable by construction (seeded generators, no mode
 * ``extract``: each agent extracts its own field of a record card (e.g. city vs year);
 * ``years``: on a real SQuAD passage with at least two distinct years, one agent reports the earliest year
   mentioned, the other the latest;
-* ``order``: each agent names the first or the last item of a list.
+* ``order``: each agent names the first or the last item of a list;
+* ``inventory``: each agent reports the stock of its own product in a stock list;
+* ``schedule``: each agent reports the time of its own event in a timetable;
+* ``squad-pair``: a real SQuAD passage with two of its questions whose answers differ; each agent's prefix
+  carries its own question.
 
 :data:`TRAIN_FAMILIES` and :data:`HELDOUT_FAMILIES` are disjoint: a bridge is trained on the first and evaluated
 on the second.
@@ -25,8 +29,11 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-TRAIN_FAMILIES = ("utility", "retrieval", "count")
-HELDOUT_FAMILIES = ("extract", "years", "order")
+# chosen by the screen in README (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
+# direct reuse loses >= 15 points; the others (utility, count: the model cannot do them; order, years: reuse keeps
+# the answer) stay available for measurement
+TRAIN_FAMILIES = ("inventory", "schedule")
+HELDOUT_FAMILIES = ("retrieval", "extract")
 QUESTION = "Give only your answer, nothing else."
 
 
@@ -120,6 +127,62 @@ def _extract(rng: random.Random) -> ConflictRecord:
     return ConflictRecord("extract", tmpl.format(what[fa]), tmpl.format(what[fb]), block, QUESTION, card[fa], card[fb])
 
 
+_PRODUCTS = ("lamps", "chairs", "kettles", "drills", "scarves", "boots", "pillows", "mirrors", "radios", "tents",
+             "helmets", "jackets", "ladders", "blenders")
+_EVENTS = ("budget review", "team lunch", "fire drill", "client call", "design sprint", "board meeting", "yoga class",
+           "code review", "press briefing", "safety audit", "hiring panel", "product demo")
+
+
+def _inventory(rng: random.Random) -> ConflictRecord:
+    items = rng.sample(_PRODUCTS, 10)
+    stock = [str(rng.randint(10, 99)) for _ in items]
+    a, b = rng.sample(range(10), 2)
+    block = "Stock list:\n" + "\n".join(f"{it} - {n} units" for it, n in zip(items, stock))
+    tmpl = "You manage the {} department. Report how many units of your product are in stock."
+    return ConflictRecord("inventory", tmpl.format(items[a]), tmpl.format(items[b]), block, QUESTION, stock[a],
+                          stock[b])
+
+
+def _schedule(rng: random.Random) -> ConflictRecord:
+    events = rng.sample(_EVENTS, 8)
+    times = rng.sample([f"{h}:{m:02d}" for h in range(7, 19) for m in (0, 15, 30, 45)], 8)
+    a, b = rng.sample(range(8), 2)
+    block = "Timetable:\n" + "\n".join(f"{e}: {t}" for t, e in zip(times, events))
+    tmpl = "You organise the {}. Report the time it starts."
+    return ConflictRecord("schedule", tmpl.format(events[a]), tmpl.format(events[b]), block, QUESTION, times[a],
+                          times[b])
+
+
+def _squad_pairs(seed: int, n: int) -> list[ConflictRecord]:
+    from ..datasets import normalize_answer, squad
+
+    by_passage: dict[str, list] = {}
+    for it in squad():
+        by_passage.setdefault(it.passage, []).append(it)
+    rng = random.Random(seed)
+    keys = sorted(by_passage)
+    rng.shuffle(keys)
+    out = []
+    for p in keys:
+        qs = by_passage[p]
+        for i in range(len(qs)):
+            for j in range(i + 1, len(qs)):
+                a, b = qs[i], qs[j]
+                na, nb = {normalize_answer(x) for x in a.answers}, {normalize_answer(x) for x in b.answers}
+                if na & nb or any(x in y or y in x for x in na for y in nb):
+                    continue
+                tmpl = "You answer this question about the passage: {}"
+                out.append(ConflictRecord("squad-pair", tmpl.format(a.question), tmpl.format(b.question),
+                                          "Passage: " + p, QUESTION, a.answers[0], b.answers[0]))
+                break
+            else:
+                continue
+            break
+        if len(out) == n:
+            break
+    return out
+
+
 def _order(rng: random.Random) -> ConflictRecord:
     words = rng.sample(_WORDS, 7)
     block = "List: " + ", ".join(words) + "."
@@ -152,14 +215,17 @@ def _years_records(seed: int, n: int) -> list[ConflictRecord]:
     return out
 
 
-GENERATORS = {"utility": _utility, "retrieval": _retrieval, "count": _count, "extract": _extract, "order": _order}
-FAMILIES = tuple(GENERATORS) + ("years",)
+GENERATORS = {"utility": _utility, "retrieval": _retrieval, "count": _count, "extract": _extract, "order": _order,
+              "inventory": _inventory, "schedule": _schedule}
+FAMILIES = tuple(GENERATORS) + ("years", "squad-pair")
 
 
 def conflict_records(family: str, n: int, seed: int = 0) -> list[ConflictRecord]:
     """``n`` records of one family (seeded; the same call gives the same records)."""
     if family == "years":
         return _years_records(seed, n)
+    if family == "squad-pair":
+        return _squad_pairs(seed, n)
     if family not in GENERATORS:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     rng = random.Random(f"{family}-{seed}")
@@ -198,5 +264,15 @@ def prompt_parts(tokenizer, record: ConflictRecord, side: str, post: bool = Fals
 
 
 def is_correct(answer: str, gold: str) -> bool:
-    """The gold string appears in the answer as a whole word (case-insensitive)."""
-    return re.search(rf"(?<![\w]){re.escape(gold.lower())}(?![\w])", answer.lower()) is not None
+    """The gold string appears in the answer as whole words (case and punctuation ignored; articles ignored too
+    unless the gold is a single letter such as an option label)."""
+    from ..datasets import normalize_answer
+
+    def plain(x: str) -> str:
+        return " ".join(re.sub(r"[^\w\s]", " ", x.lower()).split())
+
+    for norm in (plain, normalize_answer):
+        g = norm(gold)
+        if g and f" {g} " in f" {norm(answer)} ":
+            return True
+    return False
