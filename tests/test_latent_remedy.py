@@ -241,3 +241,39 @@ def test_conflicting_records():
             assert is_correct(f"The answer is {r.gold_a}.", r.gold_a) and not is_correct("nothing", r.gold_a)
     with pytest.raises(ValueError, match="unknown family"):
         conflict_records("chess", 1)
+
+
+def test_trainer_checkpoint_resumes_exactly(tmp_path):
+    """Resumable training: bridge + AdamW state saved as safetensors/JSON and loaded back give the same next
+    step as an uninterrupted run. Planted bug: `_load_trainer` skips the optimizer state -> the resumed step
+    differs."""
+    from hf_kvreuse.latent.train import _load_trainer, _save_trainer
+
+    m = enable(tiny_model("llama", seed=5))
+    pa, pb, blk, q = _parts(20)
+    ex = make_example(m, torch.cat([pb, blk, q], 1), (9, 39), pa[0], n_answer=2, top_k=8)
+    for p in m.parameters():
+        p.requires_grad_(False)
+
+    def step(bridge, opt):
+        loss = student_loss(m, bridge, ex)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    a = LatentBridge(m, n_latent=3, hidden=16)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    for _ in range(3):
+        step(a, opt_a)
+    a.save(tmp_path, dtype=torch.float32)
+    _save_trainer(tmp_path, opt_a, 3, {})
+    b = LatentBridge.load(tmp_path, m)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    assert _load_trainer(tmp_path, opt_b) == 3
+    step(a, opt_a)
+    step(b, opt_b)
+    for pa_, pb_ in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa_, pb_, atol=1e-6, rtol=1e-6)
+    for p in m.parameters():
+        p.requires_grad_(True)

@@ -1,0 +1,46 @@
+"""Two agents, one shared block, opposite objectives: direct reuse vs LatentRemedy (Qwen2.5-Coder-0.5B-Instruct).
+
+Agent A reads a registry under its own instruction ("you are in charge of entry X"); agent B reuses the block's
+K/V that A computed and asks about entry Y. Direct reuse tends to answer A's entry; LatentRemedyCache adds the
+shipped bridge's latent tokens after the block (loaded by default for this model).
+
+    python examples/latent_remedy.py [--records 5]
+"""
+
+import argparse
+
+import torch
+
+from hf_kvreuse import ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache, enable, load_qwen
+from hf_kvreuse.workflows import conflict_records, is_correct, prompt_parts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=5)
+    ap.add_argument("--family", default="retrieval")
+    a = ap.parse_args()
+    model, tok = load_qwen("0.5b")
+    enable(model)
+    bridge = LatentBridge.from_pretrained(model)   # the shipped checkpoint (hf_kvreuse/latent/checkpoints)
+    print(bridge, bridge.info.get("config"))
+    for rec in conflict_records(a.family, a.records, seed=2024):
+        ids_a, (sa, _) = prompt_parts(tok, rec, "a")
+        ids_b, span = prompt_parts(tok, rec, "b")
+        x = torch.tensor([ids_b])
+        store = ChunkStore()
+        donor_prefix = torch.tensor(ids_a[:sa])      # the block as agent A computed it, under A's prefix
+        outs = {"full": model.generate(x, max_new_tokens=8, do_sample=False)}
+        outs["reuse"] = model.generate(x, cache=DirectReuseCache(model, x, [span], store=store,
+                                                                 block_prefix_ids=donor_prefix),
+                                       max_new_tokens=8, do_sample=False)
+        outs["latent"] = model.generate(x, cache=LatentRemedyCache(model, x, [span], bridge=bridge, store=store,
+                                                                   block_prefix_ids=donor_prefix),
+                                        max_new_tokens=8, do_sample=False)
+        answers = {k: tok.decode(v[0, x.shape[1]:], skip_special_tokens=True).strip() for k, v in outs.items()}
+        print(f"B's gold {rec.gold_b!r} (A's {rec.gold_a!r}): " + ", ".join(
+            f"{k} {v!r}{'' if is_correct(v, rec.gold_b) else ' x'}" for k, v in answers.items()))
+
+
+if __name__ == "__main__":
+    main()
