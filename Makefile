@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test test-fast test-matrix bench bench-base-lr bench-gpu
+.PHONY: install demo test test-fast test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
 install: $(VENV)/.installed
 
 demo: install
@@ -31,3 +31,11 @@ bench: install
 
 bench-base-lr: install
 	$(PY) benchmarks/base_lr.py
+
+# TranslatedCache on the offline Qwen2.5-Coder 0.5B -> 1.5B pair (downloads ~1.6 GB once, fits the map once)
+bench-translated: install
+	$(PY) benchmarks/translated.py
+
+# LatentRemedy vs the reuse baselines on the held-out conflicting-task families (Qwen2.5-Coder-0.5B)
+bench-latent: install
+	$(PY) benchmarks/latent_remedy.py

@@ -8,8 +8,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hf_kvreuse", "hf_kvreuse.*"]),
-    # the shipped SmolLM2 role adapters (scripts/train_role_adapters.py)
-    package_data={"hf_kvreuse": ["adapters/*/*.md", "adapters/*/*/*.json", "adapters/*/*/*.safetensors"]},
+    # the shipped SmolLM2 role adapters (scripts/train_role_adapters.py) and LatentRemedy bridges
+    # (python -m hf_kvreuse.latent.train)
+    package_data={"hf_kvreuse": ["adapters/*/*.md", "adapters/*/*/*.json", "adapters/*/*/*.safetensors",
+                                 "latent/checkpoints/*/bridge.json", "latent/checkpoints/*/bridge.safetensors"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -19,6 +21,8 @@ setup(
         "accelerate>=1.0",
         "gguf>=0.10",       # transformers' gguf_file= loader (offline SmolLM2)
         "numpy",
+        "safetensors",      # every saved artifact (maps, bridges, adapters): never pickles
+        "tqdm",             # progress bars of KVMapper.fit and the LatentRemedy trainer
     ],
     extras_require={
         "dev": ["pytest>=8"],

@@ -165,6 +165,26 @@ def summarize(rows: list[dict], methods) -> dict:
     return out
 
 
+def markdown(path: str) -> str:
+    """README table from a results JSON: ``python benchmarks/latent_remedy.py --table results.json``."""
+    d = json.load(open(path))
+    s = d["summary"]
+    lines = ["| family | method | accuracy [95% CI] | A->B / B->A | recovered | agreement with full | TTFT / direct reuse |",
+             "|---|---|---|---|---|---|---|"]
+    for fam, res in s.items():
+        for m in ("full_a", "full_b", "full", "reuse", "post", "tail16", "blend", "latent"):
+            if m not in res:
+                continue
+            r = res[m]
+            dirs = f"{100 * r['a->b']:.0f}% / {100 * r['b->a']:.0f}%" if "a->b" in r else "-"
+            rec = f"{100 * r['recovered']:.0f}%" if "recovered" in r else "-"
+            agree = f"{100 * r['agree_full']:.0f}%" if "agree_full" in r else "-"
+            tt = f"{r['ttft_vs_reuse']:.2f}x" if "ttft_vs_reuse" in r else "-"
+            lines.append(f"| {fam} | {m} | {100 * r['acc']:.0f}% [{100 * r['ci'][0]:.0f}, {100 * r['ci'][1]:.0f}] | "
+                         f"{dirs} | {rec} | {agree} | {tt} |")
+    return "\n".join(lines)
+
+
 def plot(summary: dict, path: Path) -> None:
     import matplotlib
 
@@ -190,4 +210,7 @@ def plot(summary: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(markdown(sys.argv[2]))
+    else:
+        main()

