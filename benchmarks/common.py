@@ -81,3 +81,16 @@ MEMORY_COLUMNS = [
     ("mem opt", lambda r: f"{r['opt_mem_mib']:.0f} MiB" if "opt_mem_mib" in r else "-"),
     ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-"),
 ]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95% interval of a proportion k / n."""
+    import math
+
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)

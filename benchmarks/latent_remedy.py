@@ -35,19 +35,11 @@ from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, LatentBridge, 
 from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct, prompt_parts
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import wilson  # noqa: E402
 METHODS = ("full", "reuse", "post", "tail16", "blend", "latent")
 MODELS = {"smollm2": ("smollm2-135m-instruct", torch.float32), "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct",
                                                                                   torch.bfloat16)}
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (float("nan"), float("nan"))
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (c - h, c + h)
 
 
 def run(model, tok, ids, cache=None, max_new=8) -> tuple[str, float]:

@@ -44,16 +44,8 @@ from hf_kvreuse.kv import kv_of
 from hf_kvreuse.translation.pairs import qwen_pair_mapper
 
 HERE = Path(__file__).resolve().parent
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (float("nan"), float("nan"))
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (c - h, c + h)
+sys.path.insert(0, str(HERE))
+from common import wilson  # noqa: E402
 
 
 def bootstrap_ratio(a: list[int], b: list[int], reps: int = 2000, seed: int = 0) -> tuple[float, float]:

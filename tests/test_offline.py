@@ -9,7 +9,7 @@ from hf_kvreuse.offline import check_sha256, sha256_of
 
 
 def test_sha256_mismatch_is_an_error_and_the_file_is_deleted(tmp_path):
-    """Planted bug: `check_sha256` compares case-insensitively against a prefix only -> no error raised."""
+    """Planted bug: `check_sha256` never raises -> `pytest.raises` fails."""
     f = tmp_path / "x.gguf"
     f.write_bytes(b"not the model")
     assert sha256_of(f) == hashlib.sha256(b"not the model").hexdigest()

@@ -132,6 +132,13 @@ class BlockReuseCache(KVReuseCache):
             return p[[b[0] for b in self.blocks].index(s)]
         return p
 
+    def fresh_rows(self, covered: int) -> torch.Tensor:
+        """The rows outside every block (always computed), increasing."""
+        in_block = torch.zeros(covered, dtype=torch.bool)
+        for s, e in self.blocks:
+            in_block[s:e] = True
+        return torch.nonzero(~in_block).flatten()
+
     def block_chunk(self, s: int, e: int) -> KVChunk:
         before = (self.store.hits, self.store.misses)
         chunk = self.store.get_or_compute(self.model, self.input_ids[0, s:e], self.prefix_for(s),
@@ -146,10 +153,7 @@ class BlockReuseCache(KVReuseCache):
         with torch.no_grad():
             kv = self.assemble_blocks()
             covered = kv[0][0].shape[-2]
-            in_block = torch.zeros(covered, dtype=torch.bool)
-            for s, e in self.blocks:
-                in_block[s:e] = True
-            rows = self.recompute(kv, torch.nonzero(~in_block).flatten().to(kv[0][0].device))
+            rows = self.recompute(kv, self.fresh_rows(covered).to(kv[0][0].device))
         load_kv(self, kv)
         self.stats.recomputed_tokens = int(rows.numel())
         self.stats.reused_tokens = covered - self.stats.recomputed_tokens

@@ -88,10 +88,7 @@ class LatentRemedyCache(BlockReuseCache):
         with torch.no_grad():
             kv = self.assemble_blocks()
             covered = kv[0][0].shape[-2]
-            in_block = torch.zeros(covered, dtype=torch.bool)
-            for s, e in self.blocks:
-                in_block[s:e] = True
-            fresh = torch.nonzero(~in_block).flatten()
+            fresh = self.fresh_rows(covered)
             e = self.blocks[-1][1]
             pre, post = fresh[fresh < e].to(device), fresh[fresh >= e].to(device)
             ids = self.input_ids[:, :covered]

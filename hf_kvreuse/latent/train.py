@@ -86,7 +86,7 @@ def make_example(model, x: torch.Tensor, span: tuple[int, int], donor_prefix: to
     kv = cache.assemble_blocks()
     covered = kv[0][0].shape[-2]
     e = span[1]
-    fresh = torch.tensor([i for i in range(covered) if not span[0] <= i < e])
+    fresh = cache.fresh_rows(covered)
     pre = fresh[fresh < e]
     h = cache.prefix_hidden(x[:, :covered], pre, kv)
     kv = [(k[..., :e, :].clone(), v[..., :e, :].clone()) for k, v in kv]
