@@ -23,7 +23,7 @@ def main():
     model, tok = load_qwen("0.5b")
     enable(model)
     bridge = LatentBridge.from_pretrained(model)   # the shipped checkpoint (hf_kvreuse/latent/checkpoints)
-    print(bridge, bridge.info.get("config"))
+    print(f"shipped bridge: n_latent={bridge.n_latent}, trained on {bridge.info.get('config', {}).get('families')}")
     for rec in conflict_records(a.family, a.records, seed=2024):
         ids_a, (sa, _) = prompt_parts(tok, rec, "a")
         ids_b, span = prompt_parts(tok, rec, "b")
