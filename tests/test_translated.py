@@ -326,3 +326,20 @@ def test_given_source_cache_skips_the_source_prefill(pair):
         torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="source_cache"):
         TranslatedCache(tgt, src, mapper, _prompt(80, 1), source_cache=sc)
+
+
+def test_pad_token_in_prompt_without_mask_is_refused(pair):
+    """generate silently treats a pad id inside the prompt as padding when no mask is given (and pad is not an
+    eos id): every cache refuses that call instead of decoding at shifted positions; an explicit all-ones mask
+    works. Planted bug: the check removed -> `pytest.raises` fails (DID NOT RAISE)."""
+    src, tgt, mapper = pair
+    ids = _prompt(30, 8)
+    ids[0, 10] = 0  # the tiny models' pad id
+    with pytest.raises(ValueError, match="pad token id 0"):
+        tgt.generate(ids, cache=TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0), max_new_tokens=2)
+    mask = torch.ones_like(ids)
+    out = tgt.generate(ids, attention_mask=mask, cache=TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0),
+                       max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = tgt.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)
+    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)

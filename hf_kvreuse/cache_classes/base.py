@@ -75,12 +75,28 @@ class KVReuseCache(DynamicCache):
         if self.phase == "active":
             raise RuntimeError(f"this {name} is already in use by a running generate call")
         self.check_call(model, input_ids, generate_kwargs)
+        self._check_pad_tokens(model, input_ids, generate_kwargs)
         if self.input_ids is None:
             self.set_target(input_ids)
         elif not torch.equal(input_ids.to(self.input_ids.device), self.input_ids):
             raise ValueError(f"generate was called with different input_ids than the {name} was built for "
                              "(pass the full prompt, not only a suffix)")
         self.phase = "active"
+
+    def _check_pad_tokens(self, model, input_ids, generate_kwargs: dict) -> None:
+        """Without a mask, generate treats pad tokens in the prompt as padding (unless the pad id is also an eos
+        id): it masks them and shifts the positions after them, while this cache assembles them as real tokens.
+        (Continuations are plain DynamicCache decoding and behave as transformers does.)"""
+        if generate_kwargs.get("attention_mask") is not None:
+            return
+        cfg = generate_kwargs.get("generation_config") or model.generation_config
+        pad = generate_kwargs.get("pad_token_id", cfg.pad_token_id)
+        eos = generate_kwargs.get("eos_token_id", cfg.eos_token_id)
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            raise ValueError(f"the prompt contains the pad token id {pad} and no attention_mask was given: "
+                             f"generate would mask it as padding, which {type(self).__name__} does not support. "
+                             "Pass attention_mask=torch.ones_like(input_ids) if the token is meant as text")
 
     def check_call(self, model, input_ids, generate_kwargs: dict) -> None:
         """The checks every ``generate`` with this cache passes (first call and continuations alike)."""
