@@ -25,8 +25,6 @@ from torch import nn
 
 FORMAT = "hf_kvreuse.LatentBridge"
 VERSION = 1
-#: shipped checkpoints, by the model they were trained for (the folder name under hf_kvreuse/latent/checkpoints)
-SHIPPED: dict[str, str] = {}
 
 
 class LatentBridgeMismatchError(ValueError):

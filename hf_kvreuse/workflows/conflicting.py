@@ -92,13 +92,19 @@ def _utility(rng: random.Random) -> ConflictRecord:
                           letters[ib])
 
 
+def _lookup(rng: random.Random, family: str, names, n: int, lo: int, hi: int, title: str, line: str,
+            tmpl: str) -> ConflictRecord:
+    """A list of ``n`` (name, number) entries; each agent reports the number of its own entry."""
+    keys = rng.sample(names, n)
+    vals = [str(rng.randint(lo, hi)) for _ in keys]
+    a, b = rng.sample(range(n), 2)
+    block = f"{title}:\n" + "\n".join(line.format(k, v) for k, v in zip(keys, vals))
+    return ConflictRecord(family, tmpl.format(keys[a]), tmpl.format(keys[b]), block, QUESTION, vals[a], vals[b])
+
+
 def _retrieval(rng: random.Random) -> ConflictRecord:
-    keys = rng.sample(_WORDS, 12)
-    vals = [str(rng.randint(100, 999)) for _ in keys]
-    a, b = rng.sample(range(12), 2)
-    block = "Registry:\n" + "\n".join(f"{k}: {v}" for k, v in zip(keys, vals))
-    tmpl = "You are in charge of the entry '{}'. Report the number stored for your entry."
-    return ConflictRecord("retrieval", tmpl.format(keys[a]), tmpl.format(keys[b]), block, QUESTION, vals[a], vals[b])
+    return _lookup(rng, "retrieval", _WORDS, 12, 100, 999, "Registry", "{}: {}",
+                   "You are in charge of the entry '{}'. Report the number stored for your entry.")
 
 
 def _count(rng: random.Random) -> ConflictRecord:
@@ -134,13 +140,8 @@ _EVENTS = ("budget review", "team lunch", "fire drill", "client call", "design s
 
 
 def _inventory(rng: random.Random) -> ConflictRecord:
-    items = rng.sample(_PRODUCTS, 10)
-    stock = [str(rng.randint(10, 99)) for _ in items]
-    a, b = rng.sample(range(10), 2)
-    block = "Stock list:\n" + "\n".join(f"{it} - {n} units" for it, n in zip(items, stock))
-    tmpl = "You manage the {} department. Report how many units of your product are in stock."
-    return ConflictRecord("inventory", tmpl.format(items[a]), tmpl.format(items[b]), block, QUESTION, stock[a],
-                          stock[b])
+    return _lookup(rng, "inventory", _PRODUCTS, 10, 10, 99, "Stock list", "{} - {} units",
+                   "You manage the {} department. Report how many units of your product are in stock.")
 
 
 def _schedule(rng: random.Random) -> ConflictRecord:
