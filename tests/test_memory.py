@@ -14,6 +14,7 @@ import torch
 
 from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, OptimisticCache, enable, kv_of, tiny_model
 from hf_kvreuse.compat import output_cache
+from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.kv import copy_shifted_, kv_nbytes, release_kv
 from hf_kvreuse.rope import RopeShifter
 from hf_kvreuse.timing import PeakMemory, malloc_trim
@@ -151,18 +152,25 @@ def test_optimistic_kv_freed_at_the_swap(model, monkeypatch):
     assert seen["job_cache"] is None
 
 
-def test_release_donor(model):
-    """release_donor=True frees the donor's K/V although the caller still holds the donor cache object."""
+def test_release_donor(model, monkeypatch):
+    """release_donor=True frees the donor's K/V although the caller still holds the donor cache object.
+
+    Both runs swap at step 3 (``ready`` is held False), so their tokens cannot depend on when the background
+    prefill happens to finish.
+    """
+    monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: False)
     ids_a, ids_b = agent_prompts(2, shared=80)
     out_a = model.generate(ids_a, return_dict_in_generate=True, **GEN)
     donor = output_cache(out_a)
     refs = [weakref.ref(t) for k, v in kv_of(donor) for t in (k, v)]
     ref_out = model.generate(ids_b, cache=OptimisticCache(model, input_ids=ids_b, donor_cache=donor,
-                                                          donor_ids=out_a.sequences), **GEN)
+                                                          donor_ids=out_a.sequences, max_optimistic_tokens=3), **GEN)
     assert all(r() is not None for r in refs)  # default: the donor is read, never modified
-    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=out_a.sequences, release_donor=True)
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=out_a.sequences, release_donor=True,
+                            max_optimistic_tokens=3)
     out = model.generate(ids_b, cache=cache, **GEN)
     gc.collect()
+    assert cache.stats.swap_step == 3
     assert torch.equal(out, ref_out)
     assert all(r() is None for r in refs)
     assert all(k.numel() == 0 for k, _ in kv_of(donor))
