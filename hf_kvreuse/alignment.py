@@ -23,11 +23,16 @@ import torch
 
 @dataclass(frozen=True)
 class Span:
-    """``length`` tokens at donor positions ``donor_start..`` equal the target tokens at ``target_start..``."""
+    """``length`` tokens at donor positions ``donor_start..`` equal the target tokens at ``target_start..``.
+
+    ``donor`` is the index of the donor (in the list given to :func:`align_multi`; always 0 for
+    :func:`align_token_ids`).
+    """
 
     donor_start: int
     target_start: int
     length: int
+    donor: int = 0
 
     @property
     def delta(self) -> int:
@@ -43,9 +48,11 @@ class Alignment:
     ----------
     spans : list of Span
         Non-overlapping, in increasing target order; donor positions may come in any order. A common prefix, if
-        any, is ``spans[0]`` with ``donor_start == target_start == 0``.
+        any, is ``spans[0]`` with ``donor_start == target_start == 0`` (from donor ``prefix_donor``).
     prefix_len : int
         Length of the exact common prefix (reusable without any approximation).
+    prefix_donor : int
+        The donor the prefix comes from (the first of the donors sharing the longest prefix).
     target_len : int
         Number of target tokens that were aligned.
     """
@@ -53,6 +60,7 @@ class Alignment:
     spans: list[Span]
     prefix_len: int
     target_len: int
+    prefix_donor: int = 0
 
     @property
     def matched(self) -> int:
@@ -64,6 +72,13 @@ class Alignment:
         for s in self.spans:
             out[s.target_start:s.target_start + s.length] = torch.arange(s.donor_start, s.donor_start + s.length)
         return out
+
+    def unmatched(self) -> torch.Tensor:
+        """LongTensor: the target positions no span covers, increasing."""
+        covered = torch.zeros(self.target_len, dtype=torch.bool)
+        for s in self.spans:
+            covered[s.target_start:s.target_start + s.length] = True
+        return torch.nonzero(~covered).flatten()
 
 
 def _as_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -79,11 +94,7 @@ def _as_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
 def align_token_ids(donor_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor,
                     min_span: int = 4, donor_limit: int | None = None, target_limit: int | None = None,
                     max_candidates: int = 32) -> Alignment:
-    """Align donor token ids against target token ids.
-
-    After the common prefix, the target is scanned left to right; at each position the donor occurrences of
-    the next ``min_span`` tokens are looked up in an n-gram index, the one giving the longest match is taken
-    (ties: the earliest), and the scan jumps past it. Unmatched positions advance by one.
+    """Align donor token ids against target token ids (one donor: :func:`align_multi` with a list of one).
 
     Parameters
     ----------
@@ -100,35 +111,72 @@ def align_token_ids(donor_ids: Sequence[int] | torch.Tensor, target_ids: Sequenc
     max_candidates : int, default=32
         Donor occurrences of one n-gram that are tried (bounds the time on very repetitive text).
     """
+    return align_multi([donor_ids], target_ids, min_span=min_span, donor_limits=[donor_limit],
+                       target_limit=target_limit, max_candidates=max_candidates)
+
+
+def align_multi(donors: Sequence[Sequence[int] | torch.Tensor], target_ids: Sequence[int] | torch.Tensor,
+                min_span: int = 4, donor_limits: Sequence[int | None] | None = None, target_limit: int | None = None,
+                max_candidates: int = 32, prefix_donors: Sequence[int] | None = None) -> Alignment:
+    """Align several donors' token ids against one target: spans may come from any donor, in any order.
+
+    The exact prefix is the longest common prefix with any donor allowed by ``prefix_donors`` (ties: the
+    earliest such donor). After it the target is scanned left to right; at each position the occurrences of
+    the next ``min_span`` tokens in every donor are looked up in one n-gram index, the longest match is taken
+    (ties: the earliest donor, then the earliest position), and the scan jumps past it. Unmatched positions
+    advance by one. Time is linear in the total length.
+
+    Parameters
+    ----------
+    donors : sequence of (sequence of int or LongTensor)
+    target_ids : sequence of int or LongTensor ``[T]`` / ``[1, T]``
+    min_span, target_limit, max_candidates
+        As in :func:`align_token_ids`.
+    donor_limits : sequence of (int or None), optional
+        Per donor: only positions ``< limit`` may be used.
+    prefix_donors : sequence of int, optional
+        Donors whose common prefix with the target may serve as the exact prefix (default: every donor). A
+        caller that knows some donors are not the exact cache of their tokens leaves them out here; they still
+        supply (re-positioned, approximate) spans.
+    """
     if min_span < 1:
         raise ValueError("min_span must be >= 1")
-    donor = _as_list(donor_ids)[:donor_limit]
+    limits = list(donor_limits) if donor_limits is not None else [None] * len(donors)
+    if len(limits) != len(donors):
+        raise ValueError(f"{len(limits)} donor limits for {len(donors)} donors")
+    seqs = [_as_list(d)[:lim] for d, lim in zip(donors, limits)]
     target = _as_list(target_ids)[:target_limit]
-    prefix = 0
-    for a, b in zip(donor, target):
-        if a != b:
-            break
-        prefix += 1
-    spans = [Span(0, 0, prefix)] if prefix else []
+    allowed = range(len(seqs)) if prefix_donors is None else prefix_donors
+    prefix, prefix_donor = 0, 0
+    for d in allowed:
+        p = 0
+        for a, b in zip(seqs[d], target):
+            if a != b:
+                break
+            p += 1
+        if p > prefix:
+            prefix, prefix_donor = p, d
+    spans = [Span(0, 0, prefix, prefix_donor)] if prefix else []
     k = min_span
-    index: dict[tuple[int, ...], list[int]] = {}
-    for j in range(len(donor) - k + 1):
-        index.setdefault(tuple(donor[j:j + k]), []).append(j)
-    i, n_t, n_d = prefix, len(target), len(donor)
+    index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for d, seq in enumerate(seqs):
+        for j in range(len(seq) - k + 1):
+            index.setdefault(tuple(seq[j:j + k]), []).append((d, j))
+    i, n_t = prefix, len(target)
     while i + k <= n_t:
-        best_len, best_j = 0, -1
-        for j in index.get(tuple(target[i:i + k]), ())[:max_candidates]:
-            length = k
-            while i + length < n_t and j + length < n_d and target[i + length] == donor[j + length]:
+        best_len, best = 0, None
+        for d, j in index.get(tuple(target[i:i + k]), ())[:max_candidates]:
+            seq, length = seqs[d], k
+            while i + length < n_t and j + length < len(seq) and target[i + length] == seq[j + length]:
                 length += 1
             if length > best_len:
-                best_len, best_j = length, j
-        if best_len:
-            spans.append(Span(best_j, i, best_len))
+                best_len, best = length, (d, j)
+        if best is not None:
+            spans.append(Span(best[1], i, best_len, best[0]))
             i += best_len
         else:
             i += 1
-    return Alignment(spans=spans, prefix_len=prefix, target_len=len(target))
+    return Alignment(spans=spans, prefix_len=prefix, target_len=len(target), prefix_donor=prefix_donor)
 
 
 def block_token_span(offsets: Sequence[tuple[int, int]] | torch.Tensor, char_start: int, char_end: int) -> tuple[int, int]:

@@ -30,6 +30,28 @@ def now(device: torch.device | str | None = None) -> float:
     return time.perf_counter()
 
 
+def floor_seconds(model, ids: torch.Tensor, exact_cache, new_tokens: int) -> float:
+    """The TTFT floor of a reuse method: prefill of the last ``new_tokens`` covered prompt tokens on an exact cache
+    of the tokens before them, plus one decode step (synchronised). ``exact_cache`` holds the exact K/V of at
+    least ``ids[:, :-1 - new_tokens]`` (it is copied, never modified)."""
+    from .compat import cache_kwargs
+    from .kv import dynamic_cache_from_kv, slice_kv
+
+    covered = ids.shape[1] - 1
+    start = covered - new_tokens
+    cache = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in slice_kv(exact_cache, slice(0, start))],
+                                  model.config)
+    dev = ids.device
+    with torch.no_grad():
+        t0 = now(dev)
+        if new_tokens:
+            model(ids[:, start:covered], position_ids=torch.arange(start, covered, device=dev)[None],
+                  logits_to_keep=1, **cache_kwargs(cache))
+        model(ids[:, covered:], position_ids=torch.tensor([[covered]], device=dev), logits_to_keep=1,
+              **cache_kwargs(cache))
+        return now(dev) - t0
+
+
 class TokenTimer:
     """A ``generate`` streamer that timestamps every generated token (method-agnostic TTFT / end-to-end).
 

@@ -3,14 +3,15 @@
 Based on "RebaseKV: Hiding Prefill Latency in Multi-Agent LLMs via Optimistic Cache Alignment" (seed abstract;
 algorithm of METHODS.md §2.1, whose details are our reading of the abstract). Algorithm, per ``generate`` call:
 
-1. Align the target prompt with the donor's tokens (previous agent's prompt + answer): common prefix and
-   matching non-prefix spans (:mod:`hf_kvreuse.alignment`).
+1. Align the target prompt with the donors' tokens (previous agents' prompts + answers): common prefix and
+   matching non-prefix spans, from one donor or several (:mod:`hf_kvreuse.alignment`).
 2. Optimistic cache: matched spans copied from the donor cache and RoPE-re-positioned to their target
    positions (:mod:`hf_kvreuse.rope`); only the unmatched target tokens are computed, in place, attending
    causally to the stale cache (:func:`hf_kvreuse.generation.partial.partial_forward`).
    First token ≈ prefill(unmatched tokens) + one decode step.
 3. Foreground decoding starts at once from that cache, while the exact prefill of the prompt runs in the
-   background (:class:`hf_kvreuse.generation.background.BackgroundPrefill`).
+   background (:class:`hf_kvreuse.generation.background.BackgroundPrefill`); when a donor is known to be an
+   exact cache (``donor_exact``), the exact prefill starts after the common prefix with it.
 4. Rebase: at the first step boundary where the exact cache is ready (or when ``max_optimistic_tokens`` is
    reached, waiting for it), the exact cache is swapped in and the tokens generated so far are replayed on it
    in the same forward that produces the next token. From then on every token is the one full prefill would
@@ -26,7 +27,7 @@ from typing import Literal
 import torch
 from transformers import Cache
 
-from ..alignment import Alignment, align_token_ids
+from ..alignment import Alignment, align_multi
 from ..compat import cache_kwargs
 from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.partial import partial_forward
@@ -49,7 +50,9 @@ class OptimisticStats:
     background_prefill_s: float | None = None
     wait_s: float = 0.0                     # foreground time spent waiting for the exact cache
     reused_tokens: int = 0                  # prompt tokens taken from the donor
-    prefix_tokens: int = 0                  # of those, the exact common prefix
+    prefix_tokens: int = 0                  # of those, the common prefix (delta 0)
+    background_tokens: int = 0              # prompt tokens the exact prefill computes (all but an exact prefix)
+    donors: int = 1                         # donor caches aligned against
     new_tokens: int = 0                     # prompt tokens prefilled in the foreground
     generated_tokens: int = 0
     exact: bool = False                     # the cache now holds exact K/V for every token
@@ -75,10 +78,11 @@ class OptimisticCache(KVReuseCache):
     input_ids : LongTensor ``[1, N]``, optional
         The target prompt; ``generate`` must be called with exactly these ids. ``None``: the prompt is taken from
         the ``generate`` call.
-    donor_cache : transformers Cache
+    donor_cache : transformers Cache, or a list of them
         A cache of the same model over ``donor_ids`` (e.g. ``out.cache`` of the previous ``generate`` with
-        ``return_dict_in_generate=True``). Read, never modified.
-    donor_ids : LongTensor ``[1, L]``
+        ``return_dict_in_generate=True``). Read, never modified. A list: spans are taken from any of them (e.g.
+        the agent's own last prompt for its role text and the previous agent's for the shared context).
+    donor_ids : LongTensor ``[1, L]``, or a list of them (one per donor cache)
         The donor's tokens (e.g. ``out.sequences``); only the first ``donor_cache`` length of them have K/V.
     max_optimistic_tokens : int or None, default=16
         At most this many tokens come from the optimistic cache: at that step the foreground waits for the exact
@@ -108,13 +112,20 @@ class OptimisticCache(KVReuseCache):
         assembled (so the optimistic copy takes the donor's place in memory), and in any case when ``generate``
         returns. ``donor_cache`` is left empty and cannot serve again. Default: the donor is read, never
         modified.
+    donor_exact : bool or list of bool, default=False
+        The donor cache is the model's exact cache of its ids (true of a cache returned by a finished plain
+        ``generate``, or by an OptimisticCache with ``stats.exact``), per donor for a list. The longest common
+        prefix with an exact donor is then exact K/V for this prompt as well: the background prefill starts
+        after it instead of at 0 (prefix caching, without its risk). Default: no donor is trusted, the exact
+        prefill covers the whole prompt.
     """
 
-    def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache, donor_ids: torch.Tensor, *,
+    def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache | list, donor_ids, *,
                  max_optimistic_tokens: int | None = 16, record_divergence: bool = True, min_span: int = 4,
                  background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
                  background_chunk_tokens: int | None = None, background_threads: int | None = None,
-                 on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False):
+                 on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False,
+                 donor_exact: bool | list = False):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -122,7 +133,17 @@ class OptimisticCache(KVReuseCache):
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
         if input_ids is not None:
             self.set_target(input_ids)
-        self.donor_cache, self.donor_ids = donor_cache, as_batch1(donor_ids, "donor_ids")
+        many = isinstance(donor_cache, (list, tuple)) and not (donor_cache and isinstance(donor_cache[0], tuple))
+        caches = list(donor_cache) if many else [donor_cache]
+        ids = list(donor_ids) if many else [donor_ids]
+        if not caches or len(ids) != len(caches):
+            raise ValueError(f"{len(caches)} donor caches and {len(ids)} donor_ids: give one ids tensor per cache")
+        exact = list(donor_exact) if isinstance(donor_exact, (list, tuple)) else [bool(donor_exact)] * len(caches)
+        if len(exact) != len(caches):
+            raise ValueError(f"donor_exact has {len(exact)} flags for {len(caches)} donors")
+        self.donor_caches = caches
+        self.donor_ids_list = [as_batch1(d, "donor_ids") for d in ids]
+        self.donor_exact = exact
         if max_optimistic_tokens is not None and max_optimistic_tokens < 0:
             raise ValueError("max_optimistic_tokens must be >= 0 or None")
         if background_start not in ("auto", "immediate", "after_first_token"):
@@ -142,7 +163,17 @@ class OptimisticCache(KVReuseCache):
         self.job: BackgroundPrefill | None = None
         self._budget = None
         self._threads_lowered = False
-        self._donor_len = self._check_donor()
+        self._donor_lens = [self._check_donor(c, d) for c, d in zip(self.donor_caches, self.donor_ids_list)]
+        self.stats.donors = len(caches)
+
+    @property
+    def donor_cache(self):
+        """The donor cache (the first one, when several were given)."""
+        return self.donor_caches[0] if self.donor_caches else None
+
+    @property
+    def donor_ids(self) -> torch.Tensor:
+        return self.donor_ids_list[0]
 
     # -- generate entry --------------------------------------------------------------------------------------
     def prepare(self, model, input_ids, generate_kwargs) -> None:
@@ -161,10 +192,16 @@ class OptimisticCache(KVReuseCache):
             self._budget = ThreadBudget.acquire()
         baseline, running = self._budget or (torch.get_num_threads(), 1)
         self._fg_threads = baseline
+        al = self.alignment = self._align()
+        prefix_kv = None
+        if al.prefix_len and self.donor_exact[al.prefix_donor]:
+            prefix_kv = [(k[..., :al.prefix_len, :], v[..., :al.prefix_len, :])
+                         for k, v in kv_of(self.donor_caches[al.prefix_donor])]
+        self.stats.background_tokens = n - 1 - (al.prefix_len if prefix_kv else 0)
         self.job = BackgroundPrefill(
             model, self.input_ids[:, : n - 1], chunk_tokens=self.background_chunk_tokens,
             cpu_threads=self.background_threads or max(1, baseline // running), max_threads=baseline,
-            synchronous=synchronous)
+            synchronous=synchronous, prefix_kv=prefix_kv)
         if self.max_optimistic_tokens == 0:
             return  # the exact cache is built in before_forward, before the first token: plain prefill
         if self.background_start == "immediate" or (self.background_start == "auto" and on_cuda):
@@ -186,10 +223,10 @@ class OptimisticCache(KVReuseCache):
             torch.set_num_threads(self._fg_threads)
             self._threads_lowered = False
 
-    def _check_donor(self) -> int:
-        """Validate the donor against the model; return how many donor tokens have K/V."""
-        donor_kv = kv_of(self.donor_cache)
-        if getattr(self.donor_cache, "logical_offset", 0):
+    def _check_donor(self, donor_cache, donor_ids: torch.Tensor) -> int:
+        """Validate a donor against the model; return how many donor tokens have K/V."""
+        donor_kv = kv_of(donor_cache)
+        if getattr(donor_cache, "logical_offset", 0):
             raise ValueError("donor_cache holds fewer K/V entries than tokens (compressed); it cannot be a donor")
         if len(donor_kv) != len(self.layers):
             raise ValueError(f"donor_cache has {len(donor_kv)} layers, the model {len(self.layers)}: "
@@ -200,38 +237,41 @@ class OptimisticCache(KVReuseCache):
             raise ValueError(f"donor_cache K/V shape {tuple(k0.shape)} does not fit this model "
                              f"(batch 1, {kv_heads} KV heads of size {head_dim})")
         donor_len = kv_length(donor_kv)
-        if self.donor_ids.shape[1] < donor_len:
-            raise ValueError(f"donor_ids has {self.donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
+        if donor_ids.shape[1] < donor_len:
+            raise ValueError(f"donor_ids has {donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
         return donor_len
+
+    def _align(self) -> Alignment:
+        return align_multi(self.donor_ids_list, self.input_ids, min_span=self.min_span, donor_limits=self._donor_lens,
+                           target_limit=self.input_ids.shape[1] - 1)
 
     @torch.no_grad()
     def _assemble(self) -> None:
-        donor_kv = list(kv_of(self.donor_cache))
+        donors = [list(kv_of(c)) for c in self.donor_caches]
         covered = self.input_ids.shape[1] - 1
-        al = align_token_ids(self.donor_ids, self.input_ids, min_span=self.min_span,
-                             donor_limit=self._donor_len, target_limit=covered)
-        self.alignment = al
-        device = donor_kv[0][0].device
-        t2d = al.target_to_donor()
+        al = self.alignment
+        device = donors[0][0][0].device
         # Layer by layer, span by span, straight into uninitialised storage: every row is written before it
         # is read (matched rows here, unmatched ones by partial_forward before their layer attends), so no
         # zero fill, no full-length index_select or rotated temporaries. With release_donor each donor layer
-        # is dropped as soon as it is copied: the optimistic cache then takes the donor's place in memory.
+        # is dropped as soon as it is copied: the optimistic cache then takes the donors' place in memory.
         kv = []
-        for i in range(len(donor_kv)):
-            k, v = donor_kv[i]
-            dk, dv = alloc_layer(k, covered), alloc_layer(v, covered)
+        for i in range(len(donors[0])):
+            like_k, like_v = donors[0][i]
+            dk, dv = alloc_layer(like_k, covered), alloc_layer(like_v, covered)
             for sp in al.spans:
+                k, v = donors[sp.donor][i]
                 t, d, n = sp.target_start, sp.donor_start, sp.length
                 copy_shifted_(dk[..., t:t + n, :], k[..., d:d + n, :], self._shifter, sp.delta)
                 dv[..., t:t + n, :].copy_(v[..., d:d + n, :])
             kv.append((dk, dv))
-            del k, v
+            del like_k, like_v
             if self.release_donor:
-                donor_kv[i] = None
-                release_layer(self.donor_cache, i)
-        del donor_kv
-        unmatched = torch.nonzero(t2d < 0).flatten().to(device)
+                for j, cache in enumerate(self.donor_caches):
+                    donors[j][i] = None
+                    release_layer(cache, i)
+        del donors
+        unmatched = al.unmatched().to(device)
         if unmatched.numel():
             partial_forward(self.model, self.input_ids[:, :covered].to(device), unmatched, kv)
         load_kv(self, kv)
@@ -316,9 +356,10 @@ class OptimisticCache(KVReuseCache):
                 self._count_divergence(out.logits[0], sequences[0, n:])
             self._replay = None
         finally:
-            if self.release_donor and self.donor_cache is not None:
-                release_kv(self.donor_cache)
-            self.donor_cache = None  # the donor is not needed any more; do not keep its memory alive
+            if self.release_donor:
+                for cache in self.donor_caches:
+                    release_kv(cache)
+            self.donor_caches = []  # the donor is not needed any more; do not keep its memory alive
             if job is not None:
                 if job.ready():
                     job.join()

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compat import cache_kwargs
-from ..kv import KV, kv_of
+from ..kv import KV, kv_of, load_kv
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,16 @@ class ThreadBudget:
 
 
 class BackgroundPrefill:
-    """Prefill ``input_ids`` (all of it) in the background.
+    """Prefill ``input_ids`` in the background (all of it, or what follows a given exact prefix).
 
     Parameters
     ----------
     model : PreTrainedModel
     input_ids : LongTensor ``[1, T]``
         Tokens to prefill at positions ``0..T-1``.
+    prefix_kv : list of (K, V), optional
+        The exact K/V of ``input_ids[:, :P]`` (e.g. rows of an earlier call's cache that shares this prefix):
+        the job starts from them and computes only positions ``P..T-1``. They are read, never modified.
     chunk_tokens : int, optional
         Prefill in chunks of this many tokens (cancellation is checked between chunks). Default: one forward.
     cpu_threads : int, default=1
@@ -113,8 +116,12 @@ class BackgroundPrefill:
     """
 
     def __init__(self, model, input_ids: torch.Tensor, chunk_tokens: int | None = None, cpu_threads: int = 1,
-                 max_threads: int | None = None, synchronous: bool = False):
+                 max_threads: int | None = None, synchronous: bool = False, prefix_kv: KV | None = None):
         self.model, self.input_ids = model, input_ids
+        self.prefix_kv = prefix_kv
+        self.prefix_len = prefix_kv[0][0].shape[-2] if prefix_kv else 0
+        if self.prefix_len >= input_ids.shape[1] and input_ids.shape[1]:
+            raise ValueError(f"prefix_kv covers {self.prefix_len} tokens of a {input_ids.shape[1]}-token prefill")
         self.chunk_tokens, self.cpu_threads, self.synchronous = chunk_tokens, cpu_threads, synchronous
         self.max_threads = max_threads or torch.get_num_threads()
         self._threads_wanted = cpu_threads
@@ -134,10 +141,14 @@ class BackgroundPrefill:
     # -- worker --------------------------------------------------------------------------------------------
     def _prefill(self) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
+        if self.prefix_kv:
+            # DynamicCache appends by concatenation: the caller's prefix tensors are never written
+            load_kv(cache, list(self.prefix_kv))
         ids = self.input_ids
-        step = self.chunk_tokens or ids.shape[1]
+        p = self.prefix_len
+        step = self.chunk_tokens or (ids.shape[1] - p)
         threads = None
-        for s in range(0, ids.shape[1], step):
+        for s in range(p, ids.shape[1], step):
             if self._cancel.is_set():
                 raise _Cancelled()
             if not self.on_cuda and not self.synchronous and threads != self._threads_wanted:

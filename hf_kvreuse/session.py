@@ -1,0 +1,355 @@
+"""ReuseSession: one object that keeps every finished cache and reuses all of it for the next prompt.
+
+Multi-agent workflows re-send most of every prompt: the question, the document, the earlier answers, each
+agent's own role text. A session holds the caches of its earlier calls (LRU, under a byte budget) and, for
+each new prompt,
+
+1. finds the longest **exact** prefix among the held caches that are exact (token level, as SGLang's radix
+   tree does; a linear scan, since a session holds tens of caches, not millions): those rows are reused as
+   they are, with no risk;
+2. aligns the rest of the prompt against **all** held caches (:func:`hf_kvreuse.alignment.align_multi`):
+   spans may come from several earlier calls, e.g. the agent's role text from its own last turn and the
+   shared context from the previous agent;
+3. runs the policy's cache over them. ``"auto"``: the exact prefix, then RebaseKV-style optimistic decoding
+   over the donor spans (:class:`~hf_kvreuse.OptimisticCache`) whose background exact prefill starts after
+   the exact prefix, so the returned cache is exact and can serve as an exact prefix later.
+
+Policies: ``"full"`` (plain prefill), ``"prefix"`` (exact prefix only: the vLLM / SGLang baseline),
+``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"`` and
+``"latent"`` over the session's own caches as blocks (RelayCaching-style reuse of earlier agents' K/V, each span
+taken with the K/V it had in its earlier call), and ``"translated"`` (a smaller model prefills; it needs
+``method_kwargs=dict(source_model=..., mapper=...)``). Caches of approximate methods are kept as donors but
+never as an exact prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from .alignment import Alignment, align_multi
+from .compat import CACHE_KW, CACHE_NAMES
+from .kv import KV, kv_of, load_kv
+from .timing import TokenTimer
+
+POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "latent", "translated")
+BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "latent")
+
+
+@dataclass
+class SessionStats:
+    """One :meth:`ReuseSession.generate` call (times in seconds, token counts of the prompt unless named)."""
+
+    policy: str                      # the policy asked for
+    method: str                      # what ran: full | prefix | optimistic | direct | blend | ...
+    agent: str | None = None
+    prompt_tokens: int = 0
+    exact_prefix_tokens: int = 0     # rows reused as they are from an exact held cache
+    donor_tokens: int = 0            # rows taken from held caches at other positions (re-positioned)
+    donor_calls: int = 0             # held caches those rows came from
+    new_tokens: int = 0              # rows computed before the first token
+    background_tokens: int = 0       # rows the exact background prefill computed (optimistic)
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    total_s: float | None = None
+    exact: bool = True               # every prompt row of the kept cache is the model's exact K/V
+    stored: bool = False             # the call's cache is now held
+    evicted: int = 0                 # held caches evicted after this call
+    held_bytes: int = 0              # session.nbytes after the call
+    cache_stats: dict | None = None  # the method cache's own stats
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Entry:
+    ids: torch.Tensor   # [L] on the CPU: the tokens whose K/V are held
+    kv: KV
+    exact: bool
+    agent: str | None
+    nbytes: int
+    producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
+
+
+def _storage_bytes(kv: KV) -> int:
+    """Bytes of the distinct storages behind ``kv`` (a view of a larger buffer counts the whole buffer)."""
+    seen, total = set(), 0
+    for k, v in kv:
+        for t in (k, v):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    if n == 0:
+        return 0
+    diff = torch.nonzero(a[:n] != b[:n])
+    return int(diff[0, 0]) if diff.numel() else n
+
+
+class _Tee:
+    """Hands every streamer call to the timer and to the caller's own streamer."""
+
+    def __init__(self, *streamers):
+        self.streamers = [s for s in streamers if s is not None]
+
+    def put(self, value):
+        for s in self.streamers:
+            s.put(value)
+
+    def end(self):
+        for s in self.streamers:
+            s.end()
+
+
+class ReuseSession:
+    """Generate with a model while reusing the K/V of every earlier call of the session.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        A causal LM; for the reuse policies it is passed to :func:`hf_kvreuse.enable` (in place, idempotent).
+    max_bytes : int, default=2 GiB
+        K/V bytes the session may hold between calls; least recently used caches are evicted beyond it.
+        ``session.nbytes`` never exceeds it after a call returns.
+    policy : str, default="auto"
+        How a prompt reuses the held caches (module docstring): one of :data:`POLICIES`.
+    min_span : int, default=4
+        Shortest non-prefix span taken from a held cache.
+    min_donor_tokens : int, default=32
+        ``"auto"`` decodes optimistically only when held caches supply at least this many rows past the exact
+        prefix; otherwise it runs ``"prefix"`` (an optimistic pass would cost more than it hides).
+    method_kwargs : dict, optional
+        Keyword arguments of the method's cache class (e.g. ``recompute_ratio`` for blend,
+        ``max_optimistic_tokens`` for optimistic, ``source_model`` and ``mapper`` for translated).
+
+    Examples
+    --------
+    >>> session = ReuseSession(model, max_bytes=2 << 30)
+    >>> out = session.generate(ids, agent="critic", max_new_tokens=64)
+    >>> session.last_stats.exact_prefix_tokens, session.last_stats.donor_tokens, session.nbytes
+    """
+
+    def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
+                 min_donor_tokens: int = 32, method_kwargs: dict | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be > 0")
+        self.model = model
+        self.max_bytes = int(max_bytes)
+        self.policy = policy
+        self.min_span = min_span
+        self.min_donor_tokens = min_donor_tokens
+        self.method_kwargs = dict(method_kwargs or {})
+        self.last_stats: SessionStats | None = None
+        self.calls = 0
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next_key = 0
+        self._lock = threading.Lock()
+
+    # -- what is held ----------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """K/V bytes held now."""
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every held cache."""
+        self._entries.clear()
+
+    def held(self) -> list[dict]:
+        """One row per held cache, least recently used first: tokens, exact, agent, bytes."""
+        return [dict(tokens=int(e.ids.numel()), exact=e.exact, agent=e.agent, nbytes=e.nbytes)
+                for e in self._entries.values()]
+
+    # -- generate --------------------------------------------------------------------------------------------
+    def generate(self, input_ids, agent: str | None = None, policy: str | None = None, **generate_kwargs):
+        """``model.generate(input_ids, **generate_kwargs)`` with the session's caches reused.
+
+        Returns what ``model.generate`` returns (plain ``generate`` keywords pass through, ``streamer`` too).
+        ``agent`` names the caller for the stats; ``policy`` overrides the session's for this call. On error
+        the session is left as it was.
+        """
+        policy = policy or self.policy
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
+        for name in CACHE_NAMES:
+            if generate_kwargs.get(name) is not None:
+                raise ValueError(f"ReuseSession builds the cache itself: do not pass {name}=")
+        ids = self._check_ids(input_ids, generate_kwargs)
+        with self._lock:  # one call at a time: held caches and stats belong to the session
+            return self._generate(ids, agent, policy, generate_kwargs)
+
+    def _check_ids(self, input_ids, kwargs: dict) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"ReuseSession serves one prompt per call; got input_ids of shape {tuple(ids.shape)}")
+        if ids.shape[1] < 2:
+            raise ValueError("ReuseSession needs a prompt of at least 2 tokens")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).all()):
+            raise ValueError("ReuseSession does not support padding: pass an all-ones attention_mask or none")
+        device = next(self.model.parameters()).device
+        # an explicit mask: generate must not mistake a pad id inside the prompt for padding
+        kwargs["attention_mask"] = torch.ones_like(ids, device=device)
+        return ids.to(device)
+
+    def _generate(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
+        n = ids.shape[1]
+        stats = SessionStats(policy=policy, method=policy, agent=agent, prompt_tokens=n)
+        from .chunk_store import model_fingerprint
+
+        producer = model_fingerprint(self.model)  # another adapter's or model's K/V are never an exact prefix
+        entries = list(self._entries.items())  # least recently used first
+        cpu_ids = ids[0].cpu()
+        trusted = [i for i, (_, e) in enumerate(entries) if e.exact and e.producer == producer]
+        # the exact prefix: the longest over the exact held caches (the last prompt token is always fed)
+        prefix, prefix_key = 0, None
+        for i in trusted:
+            key, e = entries[i]
+            p = min(_common_prefix(e.ids, cpu_ids), n - 1)
+            if p > prefix:
+                prefix, prefix_key = p, key
+        al = None
+        if policy not in ("full", "prefix", "translated") and entries:
+            al = align_multi([e.ids for _, e in entries], cpu_ids, min_span=self.min_span,
+                             target_limit=n - 1, prefix_donors=trusted)
+        method = policy
+        if policy == "auto":
+            donor_rows = (al.matched - al.prefix_len) if al is not None else 0
+            method = "optimistic" if donor_rows >= self.min_donor_tokens else ("prefix" if prefix else "full")
+        elif policy in ("optimistic",) + BLOCK_POLICIES and (al is None or not al.spans):
+            method = "prefix" if prefix else "full"  # nothing held to reuse
+        stats.method = method
+
+        cache, used = self._build(method, ids, entries, al, prefix, prefix_key, stats, set(trusted))
+        timer = TokenTimer(ids.device)
+        kwargs = dict(kwargs)
+        kwargs["streamer"] = _Tee(timer, kwargs.get("streamer"))
+        kwargs[CACHE_KW] = cache
+        timer.start()
+        out = self.model.generate(ids, **kwargs)
+        stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        stats.generated_tokens = int(sequences.shape[1] - n)
+        cs = getattr(cache, "stats", None)
+        if cs is not None and hasattr(cs, "as_dict"):
+            stats.cache_stats = cs.as_dict()
+        if method == "optimistic":
+            stats.exact = bool(cache.stats.exact)
+            stats.background_tokens = cache.stats.background_tokens
+        elif method not in ("full", "prefix"):
+            stats.exact = False
+        for key in used:  # recently useful caches are the last to go
+            if key in self._entries:
+                self._entries.move_to_end(key)
+        self._store(cache, sequences, stats, agent, producer)
+        self.calls += 1
+        self.last_stats = stats
+        return out
+
+    # -- one cache per method --------------------------------------------------------------------------------
+    def _build(self, method: str, ids, entries, al: Alignment | None, prefix: int, prefix_key, stats,
+               trusted: set):
+        """The cache ``generate`` runs with, and the keys of the held caches it reads."""
+        from .generation.mixin import enable
+
+        n = ids.shape[1]
+        kw = self.method_kwargs
+        if method == "full":
+            stats.new_tokens = n
+            return DynamicCache(config=self.model.config), []
+        if method == "prefix":
+            cache = DynamicCache(config=self.model.config)
+            if prefix:
+                e = self._entries[prefix_key]
+                # views of the held rows: DynamicCache appends by concatenation, so they are never written
+                load_kv(cache, [(k[..., :prefix, :], v[..., :prefix, :]) for k, v in e.kv])
+            stats.exact_prefix_tokens, stats.new_tokens = prefix, n - prefix
+            return cache, [prefix_key] if prefix else []
+        if method == "translated":
+            from .cache_classes.translated import TranslatedCache
+
+            missing = {"source_model", "mapper"} - set(kw)
+            if missing:
+                raise ValueError(f"policy 'translated' needs method_kwargs with {sorted(missing)}")
+            enable(self.model)
+            cache = TranslatedCache(self.model, input_ids=ids, **kw)
+            stats.new_tokens = n
+            return cache, []
+        enable(self.model)
+        donors = sorted({s.donor for s in al.spans})
+        used = [entries[d][0] for d in donors]
+        stats.donor_calls = len(donors)
+        stats.exact_prefix_tokens = al.prefix_len if al.prefix_len and al.prefix_donor in trusted else 0
+        stats.donor_tokens = al.matched - stats.exact_prefix_tokens
+        stats.new_tokens = (n - 1 - al.matched) + 1
+        if method == "optimistic":
+            from .cache_classes.optimistic import OptimisticCache
+
+            caches = [entries[d][1].kv for d in donors]
+            dids = [entries[d][1].ids[None] for d in donors]
+            exact = [d in trusted for d in donors]
+            return OptimisticCache(self.model, ids, caches, dids, donor_exact=exact,
+                                   **{"min_span": self.min_span, **kw}), used
+        return self._block_cache(method, ids, entries, al, kw), used
+
+    def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict):
+        """A block-reuse cache whose blocks are the aligned spans, each with the K/V of its earlier call."""
+        from .cache_classes import BlendCache, DirectReuseCache, EPICCache, LatentRemedyCache, TailRecomputeCache
+        from .chunk_store import ChunkStore, KVChunk, model_fingerprint
+
+        cls = {"direct": DirectReuseCache, "blend": BlendCache, "epic": EPICCache, "tail": TailRecomputeCache,
+               "latent": LatentRemedyCache}[method]
+        store = ChunkStore(max_bytes=1 << 62)  # views of held rows, for this call only
+        producer = model_fingerprint(self.model)
+        blocks, prefixes = [], []
+        for sp in al.spans:
+            e = entries[sp.donor][1]
+            d, t, m = sp.donor_start, sp.target_start, sp.length
+            prefix_ids = e.ids[:d]
+            chunk = KVChunk(ids[0, t:t + m].cpu(), [(k[..., d:d + m, :], v[..., d:d + m, :]) for k, v in e.kv],
+                            start=d)
+            store.put(self.model, chunk, prefix_ids, producer=producer)
+            blocks.append((t, t + m))
+            prefixes.append(prefix_ids)
+        return cls(self.model, ids, blocks, store=store, block_prefix_ids=prefixes, **kw)
+
+    # -- keeping the result ----------------------------------------------------------------------------------
+    def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str) -> None:
+        kv = list(kv_of(cache))
+        length = kv[0][0].shape[-2]
+        if getattr(cache, "logical_offset", 0) or length > sequences.shape[1]:
+            stats.held_bytes = self.nbytes
+            return  # compressed or padded layouts are not reusable row for row
+        entry = _Entry(ids=sequences[0, :length].cpu(), kv=kv, exact=stats.exact, agent=agent,
+                       nbytes=_storage_bytes(kv), producer=producer)
+        if entry.nbytes <= self.max_bytes:
+            # a held cache whose tokens this exact one extends is redundant
+            if entry.exact:
+                for key in [k for k, e in self._entries.items() if e.producer == producer
+                            and e.ids.numel() <= length and torch.equal(e.ids, entry.ids[:e.ids.numel()])]:
+                    del self._entries[key]
+            self._entries[self._next_key] = entry
+            self._next_key += 1
+            stats.stored = True
+        while self.nbytes > self.max_bytes:
+            self._entries.popitem(last=False)
+            stats.evicted += 1
+        stats.held_bytes = self.nbytes
