@@ -53,25 +53,29 @@ def test_full_policy_is_plain_generate(model):
 
 
 @pytest.mark.parametrize("policy", ["prefix", "auto"])
-def test_conversation_reuses_exact_prefix(model, policy):
-    """A prompt extending an earlier call reuses its K/V as an exact prefix: logits equal plain generate's.
+@pytest.mark.parametrize("branch", [False, True])
+def test_conversation_reuses_exact_prefix(model, policy, branch):
+    """A prompt extending an earlier call (or branching off inside it) reuses its K/V as an exact prefix: tokens
+    and logits equal plain generate's.
 
-    Planted bug that fails it: the prefix policy loads one row too many (``k[..., :prefix + 1, :]``): the
-    cache then holds a stale row and every later position is off by one."""
+    Planted bug that fails it: the prefix policy loads one row too many (``k[..., :prefix + 1, :]``): when the
+    prompt branches off inside the held tokens the cache holds a row of the old branch and every later
+    position is off by one."""
     s = ReuseSession(model, policy=policy)
     ids = toks(50, 1)
     out = s.generate(ids, **GEN)
-    ids2 = torch.cat([out, toks(7, 2)], 1)
+    ids2 = torch.cat([out[:, :45] if branch else out, toks(7, 2)], 1)
     got = s.generate(ids2, return_dict_in_generate=True, output_logits=True, **GEN)
     ref = plain(model, ids2, return_dict_in_generate=True, output_logits=True)
     st = s.last_stats
-    assert st.method == "prefix" and st.exact_prefix_tokens == out.shape[1] - 1
+    assert st.method == "prefix" and st.exact_prefix_tokens == (45 if branch else out.shape[1] - 1)
     assert st.new_tokens == ids2.shape[1] - st.exact_prefix_tokens
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     held_kv_is_exact(model, s)
-    assert len(s) == 1  # the first call's cache is a prefix of the second's: not kept twice
+    # the first call's cache is a prefix of the second's (not kept twice) unless the second branched off
+    assert len(s) == (2 if branch else 1)
 
 
 def _agents_round(n_doc=120, seed=3):

@@ -1,0 +1,278 @@
+"""``hf-kvreuse bench``: workflows x methods x context sizes on offline data, side by side in one run.
+
+For every question (SQuAD, offline), every workflow shape and every context size, the workflow runs once per
+method, back to back, each through a fresh :class:`~hf_kvreuse.ReuseSession`; ``full`` (plain prefill) always
+runs first and is the reference. Per method it reports:
+
+* time: median TTFT per agent call and its ratio to full prefill's on the same call; end-to-end time (the
+  workflow's summed generate time) and its ratio; with ``--floor``, TTFT over the floor (prefill of the prompt
+  tokens no held cache has, plus one decode step, on an exact cache);
+* quality: agreement of the final answer with the full-prefill workflow's (always), judge consistency for the
+  ``judge`` shape, and task accuracy (a gold answer in the final answer), each with a 95% Wilson interval.
+
+Writes ``bench.json`` (every call), ``bench.csv`` (the summary) and three plots (TTFT per method, accuracy vs
+TTFT, per-agent timelines of the first question). Example::
+
+    hf-kvreuse bench --model qwen2.5-0.5b --workflows fully_connected --methods full,prefix,auto,blend --n 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion ``k / n``."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def load(name: str, dtype: str):
+    from .models import load_qwen, load_smollm2
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    if name == "smollm2":
+        return load_smollm2(dtype=dt)
+    if name.startswith("qwen2.5-"):
+        return load_qwen(name.split("-")[1], dtype=dt)
+    raise ValueError(f"--model {name!r}: choose one of {MODELS}")
+
+
+def questions(tok, n: int, context_tokens: int, seed: int = 0):
+    """``n`` SQuAD questions spread over the file, each with about ``context_tokens`` tokens of document."""
+    from .workflows.datasets import context_for, squad
+
+    items = squad()
+    step = max(1, len(items) // n)
+    picked = [items[(seed + i * step) % len(items)] for i in range(n)]
+    return [(context_for(items, it, tok, context_tokens), it) for it in picked]
+
+
+def floor_for(model, turn_ids: torch.Tensor, new_tokens: int) -> float:
+    """Floor of one call: prefill of ``new_tokens`` on an exact cache of the tokens before them + one decode step."""
+    from transformers import DynamicCache
+
+    from .compat import cache_kwargs
+    from .timing import floor_seconds
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(turn_ids[:, :-1], use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+    return floor_seconds(model, turn_ids, cache, new_tokens)
+
+
+def run(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from .session import ReuseSession
+    from .workflows.datasets import contains_answer, normalize_answer
+    from .workflows.graphs import run_workflow
+
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load(args.model, args.dtype)
+    methods = ["full"] + [m for m in args.methods if m != "full"]
+    records = []
+    jobs = [(w, c) for w in args.workflows for c in args.context_tokens]
+    data = {c: questions(tok, args.n, c, args.seed) for c in args.context_tokens}
+    bar = tqdm(total=len(jobs) * args.n * len(methods), desc="bench", unit="workflow")
+    for shape, ctx in jobs:
+        for q, (doc, item) in enumerate(data[ctx]):
+            for method in methods:
+                session = ReuseSession(model, max_bytes=args.max_bytes, policy=method)
+                run_ = run_workflow(session, tok, doc, item.question, shape=shape, rounds=args.rounds,
+                                    max_new_tokens=args.max_new_tokens)
+                turns = [{k: v for k, v in t.__dict__.items() if k != "prompt_ids"} for t in run_.turns]
+                if args.floor and method == "auto":
+                    for t, d in zip(run_.turns, turns):
+                        s = d["stats"]
+                        new = s["prompt_tokens"] - 1 - s["exact_prefix_tokens"] - s["donor_tokens"]
+                        d["floor_s"] = floor_for(model, t.prompt_ids, max(0, new))
+                        d["ttft_over_floor"] = s["ttft_s"] / d["floor_s"]
+                rec = dict(workflow=shape, context_tokens=ctx, question=q, method=method, final=run_.final,
+                           correct=contains_answer(run_.final, item.answers), judge_choice=run_.judge_choice,
+                           e2e_s=run_.e2e_s, turns=turns)
+                records.append(rec)
+                bar.update(1)
+            ref = next(r for r in records[-len(methods):] if r["method"] == "full")
+            for r in records[-len(methods):]:
+                r["agrees"] = normalize_answer(r["final"]) == normalize_answer(ref["final"])
+                r["judge_agrees"] = r["judge_choice"] == ref["judge_choice"] if shape == "judge" else None
+                r["e2e_ratio"] = r["e2e_s"] / ref["e2e_s"]
+                for t, tf in zip(r["turns"], ref["turns"]):
+                    t["ttft_ratio"] = t["stats"]["ttft_s"] / tf["stats"]["ttft_s"]
+    bar.close()
+    return dict(config=vars(args), summary=summarize(records, methods), records=records)
+
+
+def summarize(records: list[dict], methods: list[str]) -> list[dict]:
+    med = statistics.median
+    rows = []
+    keys = sorted({(r["workflow"], r["context_tokens"]) for r in records})
+    for shape, ctx in keys:
+        for m in methods:
+            rs = [r for r in records if r["workflow"] == shape and r["context_tokens"] == ctx and r["method"] == m]
+            if not rs:
+                continue
+            n = len(rs)
+            turns = [t for r in rs for t in r["turns"]]
+            k_acc, k_agree = sum(r["correct"] for r in rs), sum(r["agrees"] for r in rs)
+            row = dict(workflow=shape, context_tokens=ctx, method=m, n=n, calls=len(turns),
+                       accuracy=k_acc / n, accuracy_ci=wilson(k_acc, n),
+                       agreement=k_agree / n, agreement_ci=wilson(k_agree, n),
+                       ttft_s=med(t["stats"]["ttft_s"] for t in turns),
+                       ttft_ratio=med(t["ttft_ratio"] for t in turns),
+                       e2e_s=med(r["e2e_s"] for r in rs), e2e_ratio=med(r["e2e_ratio"] for r in rs),
+                       exact_prefix_frac=sum(t["stats"]["exact_prefix_tokens"] for t in turns)
+                       / sum(t["stats"]["prompt_tokens"] for t in turns),
+                       donor_frac=sum(t["stats"]["donor_tokens"] for t in turns)
+                       / sum(t["stats"]["prompt_tokens"] for t in turns))
+            if shape == "judge":
+                k = sum(bool(r["judge_agrees"]) for r in rs)
+                row.update(judge_consistency=k / n, judge_consistency_ci=wilson(k, n))
+            floors = [t["ttft_over_floor"] for t in turns if "ttft_over_floor" in t]
+            if floors:
+                row["ttft_over_floor"] = med(floors)
+            rows.append(row)
+    return rows
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
+    rows = result["summary"]
+    cols = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v[0]:.3f}-{v[1]:.3f}" if isinstance(v, tuple) else v) for k, v in r.items()})
+    try:
+        plot(result, out)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["summary"]
+    groups = sorted({(r["workflow"], r["context_tokens"]) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(groups) * len(methods) / 3, 3.6))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        ys = [next((r["ttft_s"] for r in rows if (r["workflow"], r["context_tokens"]) == g and r["method"] == m),
+                   float("nan")) for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], ys, width, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{w}\n{c} tok" for w, c in groups])
+    ax.set_ylabel("median TTFT per call (s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for r in rows:
+        lo, hi = r["accuracy_ci"]
+        ax.errorbar(r["ttft_s"], r["accuracy"], yerr=[[r["accuracy"] - lo], [hi - r["accuracy"]]], fmt="o",
+                    capsize=3)
+        ax.annotate(f"{r['method']} ({r['workflow']})", (r["ttft_s"], r["accuracy"]), fontsize=6)
+    ax.set_xlabel("median TTFT per call (s)")
+    ax.set_ylabel("task accuracy (95% CI)")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_ttft.png", dpi=120)
+    plt.close(fig)
+
+    first = [r for r in result["records"] if r["question"] == 0]
+    fig, axes = plt.subplots(len(first), 1, figsize=(7, 0.9 + 0.7 * len(first)), squeeze=False)
+    for ax, r in zip(axes[:, 0], first):
+        t = 0.0
+        for turn in r["turns"]:
+            ttft = turn["stats"]["ttft_s"] or 0.0
+            ax.barh(0, ttft, left=t, color="tab:red")
+            ax.barh(0, turn["wall_s"] - ttft, left=t + ttft, color="tab:blue")
+            ax.text(t, 0.45, turn["agent"][:6], fontsize=5)
+            t += turn["wall_s"]
+        ax.set_yticks([])
+        ax.set_ylabel(f"{r['method']}\n{r['workflow'][:8]}", rotation=0, ha="right", fontsize=6)
+    axes[-1, 0].set_xlabel("seconds (red: to first token, blue: decoding)")
+    fig.tight_layout()
+    fig.savefig(out / "timelines.png", dpi=120)
+    plt.close(fig)
+
+
+def print_summary(rows: list[dict]) -> None:
+    head = f"{'workflow':16} {'ctx':>5} {'method':11} {'n':>3} {'acc':>5} {'agree':>6} {'TTFT s':>7} " \
+           f"{'TTFTx':>6} {'e2e x':>6} {'/floor':>6}"
+    print(head)
+    for r in rows:
+        fl = f"{r['ttft_over_floor']:.2f}" if "ttft_over_floor" in r else "-"
+        print(f"{r['workflow']:16} {r['context_tokens']:>5} {r['method']:11} {r['n']:>3} {r['accuracy']:>5.2f} "
+              f"{r['agreement']:>6.2f} {r['ttft_s']:>7.3f} {r['ttft_ratio']:>6.2f} {r['e2e_ratio']:>6.2f} {fl:>6}")
+
+
+def _csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .session import POLICIES
+    from .workflows.graphs import SHAPES
+
+    p = argparse.ArgumentParser(prog="hf-kvreuse", description="hf_kvreuse command line")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="workflows x methods x context sizes, side by side (see module docstring)")
+    b.add_argument("--model", default="smollm2", choices=MODELS)
+    b.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
+                   help="default: fp32 for smollm2, bf16 for the Qwen models")
+    b.add_argument("--workflows", type=_csv(str), default=["fully_connected"])
+    b.add_argument("--methods", type=_csv(str), default=["full", "prefix", "auto"])
+    b.add_argument("--context-tokens", type=_csv(int), default=[1000])
+    b.add_argument("--n", type=int, default=5, help="questions per cell")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--max-new-tokens", type=int, default=24)
+    b.add_argument("--max-bytes", type=int, default=2 << 30)
+    b.add_argument("--floor", action="store_true", help="also time each auto call's floor (slower)")
+    b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench_results")
+    args = p.parse_args(argv)
+    for m in args.methods:
+        if m not in POLICIES or m in ("translated",):
+            raise SystemExit(f"--methods: {m!r} is not a session policy the bench can run ({POLICIES[:-1]})")
+    for w in args.workflows:
+        if w not in SHAPES:
+            raise SystemExit(f"--workflows: {w!r} is not one of {SHAPES}")
+    args.dtype = args.dtype or ("fp32" if args.model == "smollm2" else "bf16")
+    t0 = time.perf_counter()
+    result = run(args)
+    result["wall_s"] = time.perf_counter() - t0
+    write(result, Path(args.out))
+    print_summary(result["summary"])
+    print(f"wrote {args.out}/bench.json, bench.csv, ttft.png, accuracy_vs_ttft.png, timelines.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

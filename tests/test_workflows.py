@@ -1,0 +1,105 @@
+"""Workflows through ReuseSession, the pipeline's method=, and the bench CLI, on SmolLM2 (offline)."""
+
+import json
+
+import pytest
+import torch
+
+from hf_kvreuse.workflows.graphs import SHAPES, parse_choice, run_workflow
+from hf_kvreuse.session import ReuseSession
+
+pytestmark = pytest.mark.slow
+
+DOC = ("The Nile is a major north-flowing river in northeastern Africa. It flows into the Mediterranean Sea. "
+       "The Nile is about 6,650 km long and its drainage basin covers eleven countries. In ancient times the "
+       "river's yearly flood made farming possible along its banks, and most of Egypt's people still live "
+       "near it.")
+QUESTION = "Into which sea does the Nile flow?"
+EXACT = dict(max_optimistic_tokens=0)  # the exact cache before the first token: outputs must equal full prefill
+
+
+def test_fully_connected_auto_equals_full_and_reuses(smollm2):
+    """3 agents x 2 rounds, fully connected: with the exact cache swapped in before the first token, ``auto``
+    gives every answer of full prefill, while its later calls take most of their prompt from held caches.
+
+    Planted bug that fails it: the background prefill starts at 0 with the exact prefix loaded (``range(0, ...)``
+    in ``BackgroundPrefill._prefill``): the swapped-in cache holds the prefix twice and the answers change."""
+    model, tok = smollm2
+    full = run_workflow(ReuseSession(model, policy="full"), tok, DOC, QUESTION, rounds=2, max_new_tokens=8)
+    auto = run_workflow(ReuseSession(model, policy="auto", method_kwargs=EXACT), tok, DOC, QUESTION, rounds=2,
+                        max_new_tokens=8)
+    assert [t.answer for t in auto.turns] == [t.answer for t in full.turns]
+    assert auto.final == full.final and len(auto.turns) == 6
+    later = auto.turns[1:]
+    reused = [(t.stats["exact_prefix_tokens"] + t.stats["donor_tokens"]) / t.prompt_tokens for t in later]
+    assert min(reused) > 0.5, reused
+    assert any(t.stats["method"] == "optimistic" for t in later)
+    assert all(t.stats["exact"] for t in auto.turns)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_shape_runs(smollm2, shape):
+    model, tok = smollm2
+    s = ReuseSession(model, policy="prefix")
+    run = run_workflow(s, tok, DOC, QUESTION, shape=shape, rounds=2, max_new_tokens=4)
+    n_agents = 3
+    expected = {"chain": n_agents, "fully_connected": 2 * n_agents, "debate": 2 * n_agents,
+                "judge": n_agents + 1}[shape]
+    assert len(run.turns) == expected and run.final
+    assert run.as_dict()["e2e_s"] > 0 and "prompt_ids" not in run.as_dict()["turns"][0]
+    if shape == "judge":
+        assert run.turns[-1].agent == "judge"
+
+
+def test_parse_choice():
+    assert parse_choice("Candidate 2 is right", 3) == 2
+    assert parse_choice("7, no 3", 3) == 3
+    assert parse_choice("none", 3) is None
+
+
+def test_workflow_errors(smollm2):
+    model, tok = smollm2
+    with pytest.raises(ValueError, match="shape"):
+        run_workflow(ReuseSession(model), tok, DOC, QUESTION, shape="star")
+    with pytest.raises(ValueError, match="rounds"):
+        run_workflow(ReuseSession(model), tok, DOC, QUESTION, rounds=0)
+
+
+def test_pipeline_method_list_equals_separate_calls(smollm2):
+    """``method=`` serves a list of prompts through one session: the answers equal separate calls' and, with the
+    exact cache before the first token, the stock pipeline's; the later prompts reuse the earlier ones."""
+    from transformers import pipeline
+
+    model, tok = smollm2
+    msgs = [[{"role": "system", "content": role}, {"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
+            for role in ("You are a researcher.", "You are a strict critic.", "You are a writer.")]
+    kw = dict(method="auto", method_kwargs=EXACT, max_new_tokens=10, do_sample=False)
+    pipe = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)
+    together = pipe(msgs, **kw)
+    pipe2 = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)
+    separate = [pipe2(m, **kw)[0] for m in msgs]
+    stock = pipeline("text-generation", model=model, tokenizer=tok)(msgs, max_new_tokens=10, do_sample=False)
+    last = lambda outs: [o[0]["generated_text"][-1]["content"] if isinstance(o, list) else  # noqa: E731
+                         o["generated_text"][-1]["content"] for o in outs]
+    assert last(together) == last(separate) == last(stock)
+    (session,) = pipe.sessions.values()
+    assert session.calls == 3 and session.last_stats.donor_tokens > 50
+    with pytest.raises(ValueError, match="method"):
+        pipe(msgs[0], method="nope")
+
+
+def test_bench_cli(smollm2, tmp_path):
+    """``hf-kvreuse bench`` on one tiny cell writes JSON, CSV and the three plots; prefix agrees with full."""
+    from hf_kvreuse.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", "smollm2", "--n", "1", "--workflows", "chain,judge", "--methods",
+                 "prefix,auto", "--context-tokens", "150", "--max-new-tokens", "3", "--floor", "--out",
+                 str(out)]) == 0
+    for f in ("bench.json", "bench.csv", "ttft.png", "accuracy_vs_ttft.png", "timelines.png"):
+        assert (out / f).exists(), f
+    res = json.loads((out / "bench.json").read_text())
+    rows = {(r["workflow"], r["method"]): r for r in res["summary"]}
+    assert set(rows) == {(w, m) for w in ("chain", "judge") for m in ("full", "prefix", "auto")}
+    assert rows[("chain", "prefix")]["agreement"] == 1.0 and rows[("judge", "full")]["judge_consistency"] == 1.0
+    assert "ttft_over_floor" in rows[("chain", "auto")]
