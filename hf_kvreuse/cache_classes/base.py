@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..generation.protocol import ReuseCacheHooks
 
-class KVReuseCache(DynamicCache):
+
+class KVReuseCache(DynamicCache, ReuseCacheHooks):
     """A DynamicCache that ``generate`` on an :func:`hf_kvreuse.enable`-d model prepares and steps.
 
     Parameters
