@@ -212,7 +212,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"{type(self).__name__} holds its model; it is not pickled. Save its K/V "
-                        "(hf_kvreuse.kv_of(cache)) with safetensors instead")
+                        "(hf_kvreuse.kv.kv_of(cache)) with safetensors instead")
 
     # -- lengths -------------------------------------------------------------------------------------------
     def physical_length(self, layer_idx: int = 0) -> int:
