@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 import transformers
 
-import hf_kvreuse
-from hf_kvreuse import BaseLRCache, TokenTimer
-from hf_kvreuse import react
-from hf_kvreuse.datasets import passages_for, squad
-from hf_kvreuse.timing import PeakMemory, now
+from hf_kvreuse import BaseLRCache
+from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.timing import PeakMemory, TokenTimer, now
+from hf_kvreuse.workflows import react
+from hf_kvreuse.workflows.datasets import passages_for, squad
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, tok = hf_kvreuse.load_smollm2()
+    model, tok = load_smollm2()
     pm = react.load_role_adapters(model, args.adapters)
     items = squad()
     t0 = time.time()

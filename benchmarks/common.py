@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from hf_kvreuse import dynamic_cache_from_kv, slice_kv
 from hf_kvreuse.compat import cache_kwargs
+from hf_kvreuse.kv import dynamic_cache_from_kv, slice_kv
 from hf_kvreuse.timing import now
 
 

@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache,
-                        TailRecomputeCache, TokenTimer, enable, load_offline)
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache, TailRecomputeCache,
+                        enable)
+from hf_kvreuse.models import load_offline
+from hf_kvreuse.timing import TokenTimer
 from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct, prompt_parts
 
 HERE = Path(__file__).resolve().parent

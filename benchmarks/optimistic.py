@@ -33,11 +33,12 @@ import torch
 import transformers
 
 import hf_kvreuse
-from hf_kvreuse import OptimisticCache, TokenTimer
-from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse import OptimisticCache
 from hf_kvreuse.compat import output_cache
-from hf_kvreuse.datasets import contains_answer, context_for, squad
-from hf_kvreuse.timing import PeakMemory
+from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.timing import PeakMemory, TokenTimer
+from hf_kvreuse.workflows.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse.workflows.datasets import contains_answer, context_for, squad
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -101,7 +102,7 @@ def main():
         return
     torch.set_num_threads(args.threads)
 
-    model, tok = hf_kvreuse.load_smollm2()
+    model, tok = load_smollm2()
     model = hf_kvreuse.enable(model)
     items = squad()
     # every run generates exactly max_new_tokens tokens, so end-to-end times compare the same work

@@ -26,9 +26,9 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_kvreuse
-from hf_kvreuse import OptimisticCache, TokenTimer
+from hf_kvreuse import OptimisticCache
 from hf_kvreuse.compat import cache_kwargs, output_cache
-from hf_kvreuse.timing import PeakMemory
+from hf_kvreuse.timing import PeakMemory, TokenTimer
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -30,10 +30,11 @@ import torch
 import transformers
 
 import hf_kvreuse
-from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, OffsetCache, TailRecomputeCache,
-                        TokenTimer, segment_prompt)
-from hf_kvreuse.datasets import contains_answer, passages_for, squad
-from hf_kvreuse.timing import PeakMemory
+from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, EPICCache, OffsetCache, TailRecomputeCache
+from hf_kvreuse.alignment import segment_prompt
+from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.timing import PeakMemory, TokenTimer
+from hf_kvreuse.workflows.datasets import contains_answer, passages_for, squad
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -82,7 +83,7 @@ def main():
     ap.add_argument("--out", type=Path, default=HERE / "results" / "reuse_baselines.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = hf_kvreuse.load_smollm2()
+    model, tok = load_smollm2()
     model = hf_kvreuse.enable(model)
     items = squad()
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)

@@ -37,11 +37,12 @@ from transformers import DynamicCache
 
 import hf_kvreuse
 from hf_kvreuse import (FirstLayerDeviationScorer, OracleScorer, RandomScorer, RankDisagreementScorer, TranslatedCache,
-                        enable, load_qwen)
+                        enable)
 from hf_kvreuse.compat import cache_kwargs
-from hf_kvreuse.datasets import contains_answer, context_for, qa_chat_ids, squad
 from hf_kvreuse.kv import kv_of
+from hf_kvreuse.models import load_qwen
 from hf_kvreuse.translation.pairs import qwen_pair_mapper
+from hf_kvreuse.workflows.datasets import contains_answer, context_for, qa_chat_ids, squad
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

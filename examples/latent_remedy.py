@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from hf_kvreuse import ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache, enable, load_qwen
+from hf_kvreuse import ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache, enable
+from hf_kvreuse.models import load_qwen
 from hf_kvreuse.workflows import conflict_records, is_correct, prompt_parts
 
 

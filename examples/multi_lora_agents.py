@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
-import hf_kvreuse
-from hf_kvreuse import BaseLRCache, react
-from hf_kvreuse.datasets import passages_for, squad
+from hf_kvreuse import BaseLRCache
+from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.workflows import react
+from hf_kvreuse.workflows.datasets import passages_for, squad
 
 
 def main() -> None:
     torch.manual_seed(0)
-    model, tok = hf_kvreuse.load_smollm2()
+    model, tok = load_smollm2()
     pm = react.load_role_adapters(model)  # the adapters shipped in hf_kvreuse/adapters/smollm2_roles
     items = squad()
     item = react.split_items(items)[1][3]  # a held-out article

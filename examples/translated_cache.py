@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from hf_kvreuse import TranslatedCache, enable, load_qwen
-from hf_kvreuse.datasets import qa_chat_ids, squad
+from hf_kvreuse import TranslatedCache, enable
+from hf_kvreuse.models import load_qwen
 from hf_kvreuse.translation.pairs import qwen_pair_mapper
+from hf_kvreuse.workflows.datasets import qa_chat_ids, squad
 
 
 def main():

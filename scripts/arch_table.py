@@ -1,8 +1,8 @@
 """Print the architecture table: which caches reproduce which architecture, and why the others refuse.
 
-For every architecture of :mod:`hf_kvreuse.arch_zoo` (tiny random-init configs of the installed transformers) it
+For every architecture of :mod:`hf_kvreuse.models.arch_zoo` (tiny random-init configs of the installed transformers) it
 runs :func:`hf_kvreuse.model_check.check_model` and every exactness check of ``tests/test_architectures.py``
-(:func:`hf_kvreuse.arch_zoo.run_check`), and prints a markdown table (the one in docs/ARCHITECTURES.md):
+(:func:`hf_kvreuse.models.arch_zoo.run_check`), and prints a markdown table (the one in docs/ARCHITECTURES.md):
 
     .venv/bin/python scripts/arch_table.py                 # every zoo architecture (~30 s on one CPU core)
     .venv/bin/python scripts/arch_table.py llama cohere    # some of them
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_kvreuse import enable  # noqa: E402
-from hf_kvreuse.arch_zoo import SPECS, run_check, zoo_configs, zoo_model  # noqa: E402
+from hf_kvreuse.models.arch_zoo import SPECS, run_check, zoo_configs, zoo_model  # noqa: E402
 from hf_kvreuse.model_check import check_model  # noqa: E402
 
 #: cache -> the checks it must pass

@@ -4,7 +4,8 @@ example of Qwen2.5-Coder-0.5B with the first-token KL (README, LatentRemedy: "wh
     python scripts/latent_overfit_one.py
 """
 import torch, time
-from hf_kvreuse import load_qwen, enable, LatentBridge
+from hf_kvreuse import enable, LatentBridge
+from hf_kvreuse.models import load_qwen
 from hf_kvreuse.latent.train import build_example, student_loss, student_logits
 from hf_kvreuse.workflows import conflict_records
 torch.set_num_threads(1)

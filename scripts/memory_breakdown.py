@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 
 import hf_kvreuse
-from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, OptimisticCache, dynamic_cache_from_kv, kv_of
-from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, OptimisticCache
 from hf_kvreuse.compat import output_cache
-from hf_kvreuse.datasets import context_for, squad
 from hf_kvreuse.generation.background import BackgroundPrefill
+from hf_kvreuse.kv import dynamic_cache_from_kv, kv_of
+from hf_kvreuse.models import load_smollm2
 from hf_kvreuse.timing import PeakMemory
+from hf_kvreuse.workflows.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse.workflows.datasets import context_for, squad
 
 MiB = 2**20
 VARIANTS = {  # OptimisticCache keyword arguments
@@ -107,7 +109,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    model, tok = hf_kvreuse.load_smollm2(device=dev)
+    model, tok = load_smollm2(device=dev)
     model = hf_kvreuse.enable(model)
     items = squad()
     item = items[5]

@@ -1,7 +1,7 @@
 """Train the plan / act / reflect LoRA role adapters for SmolLM2-135M-Instruct on CPU, evaluate, save.
 
 Each adapter (rank 8, ``v_proj`` only, the PReCache setting) is trained alone on its role's target tokens of the
-ReAct episodes of :mod:`hf_kvreuse.react`, over SQuAD items outside the held-out articles. The evaluation then
+ReAct episodes of :mod:`hf_kvreuse.workflows.react`, over SQuAD items outside the held-out articles. The evaluation then
 scores the base model and each adapter on all three skills on held-out items, with greedy decoding.
 
     .venv/bin/python scripts/train_role_adapters.py            # train (~10 min on 2 CPU cores), eval, save
@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_kvreuse import load_smollm2  # noqa: E402
-from hf_kvreuse import react  # noqa: E402
-from hf_kvreuse.datasets import SquadItem, squad  # noqa: E402
+from hf_kvreuse.models import load_smollm2  # noqa: E402
+from hf_kvreuse.workflows import react  # noqa: E402
+from hf_kvreuse.workflows.datasets import SquadItem, squad  # noqa: E402
 
 
 def role_example(role: str, item: SquadItem, items: list[SquadItem], rng: random.Random, n_passages: int,
@@ -141,18 +141,19 @@ def write_readme(save_dir: Path, result: dict) -> None:
     text = f"""# ReAct role adapters for SmolLM2-135M-Instruct
 
 Three LoRA adapters, `plan/`, `act/`, `reflect/` (rank 8, alpha 16, **`v_proj` only**, the PReCache setting:
-K stays adapter-free, V = V_base + 2·(X·A)·B), for the plain-text ReAct scratchpad of `hf_kvreuse/react.py`:
-plan writes `Thought: ...` + `Action: Retrieve[<article title>]` after the question, act writes the answer after
-`Action: Finish[`, reflect writes `Reflect[right]` / `Reflect[wrong]` after the Finish line.
+K stays adapter-free, V = V_base + 2·(X·A)·B), for the plain-text ReAct scratchpad of
+`hf_kvreuse/workflows/react.py`: plan writes `Thought: ...` + `Action: Retrieve[<article title>]` after the question,
+act writes the answer after `Action: Finish[`, reflect writes `Reflect[right]` / `Reflect[wrong]` after the Finish line.
 
-Load: `pm = hf_kvreuse.react.load_role_adapters(hf_kvreuse.load_smollm2()[0])`, then `pm.set_adapter("act")`.
+Load: `pm = hf_kvreuse.workflows.react.load_role_adapters(hf_kvreuse.models.load_smollm2()[0])`,
+then `pm.set_adapter("act")`.
 
 **Made by** `{result['command']}` (`scripts/train_role_adapters.py`, seed {result['seed']},
 {result['torch_threads']} torch threads, CPU, fp32) in {result['train_seconds_total']} s of training in all
 (1-min load average at start: {result['load_avg_1min_start']:.1f}).
 
-**Data**: SQuAD v1.1 dev items of `hf_kvreuse.datasets.squad()` (offline). {result['n_train_items']} items of the
-articles not in `react.EVAL_TITLES` for training; the held-out articles are {', '.join(react.EVAL_TITLES)}.
+**Data**: SQuAD v1.1 dev items of `hf_kvreuse.workflows.datasets.squad()` (offline). {result['n_train_items']} items
+of the articles not in `react.EVAL_TITLES` for training; the held-out articles are {', '.join(react.EVAL_TITLES)}.
 One episode per step (batch 1), observation = the gold passage among 0-2 other passages of the same article
 (1: 70 %, 2: 30 %); reflect alternates the gold answer and another question's answer from the same article.
 Loss on the role's target tokens only, AdamW (no weight decay), learning rate decaying linearly to 10 %.

@@ -1,5 +1,5 @@
 import torch, time, json
-from hf_kvreuse import load_qwen
+from hf_kvreuse.models import load_qwen
 from hf_kvreuse.translation.mapper import MapperStats, PairGeometry, KVMapper, MapperConfig, _run_features, flat_features
 from hf_kvreuse.translation.pairs import calibration_ids
 from hf_kvreuse.model_check import require

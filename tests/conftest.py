@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from hf_kvreuse import enable, tiny_model
+from hf_kvreuse import enable
+from hf_kvreuse.models import tiny_model
 
 torch.set_num_threads(2)
 
@@ -25,7 +26,7 @@ def llama_eager():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from hf_kvreuse import load_smollm2
+    from hf_kvreuse.models import load_smollm2
 
     model, tok = load_smollm2()
     return enable(model), tok
@@ -55,7 +56,7 @@ def exact_prefill(model, ids, start=0):
 
 def assert_kv_close(a, b, atol=1e-5, rtol=1e-5, length=None):
     """Every layer's K and V of caches / KV lists `a` and `b` agree (on the first `length` tokens)."""
-    from hf_kvreuse import kv_of
+    from hf_kvreuse.kv import kv_of
 
     for (k, v), (rk, rv) in zip(kv_of(a), kv_of(b)):
         if length is not None:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_kvreuse import align_token_ids, block_token_span
+from hf_kvreuse.alignment import align_token_ids, block_token_span
 
 
 def test_identical_is_one_prefix_span():
@@ -60,7 +60,7 @@ def test_block_span_straddling_tokens():
 
 @pytest.mark.slow
 def test_segment_real_tokenizer_reassembles(smollm2):
-    from hf_kvreuse import segment_prompt
+    from hf_kvreuse.alignment import segment_prompt
 
     _, tok = smollm2
     prefix, block, suffix = "You are a careful planner.", " The shared question: what is 2+2?", " Answer:"

@@ -1,7 +1,7 @@
 """Every cache on every decoder-only architecture of the zoo: exact, or refused at construction. Never wrong.
 
-For each architecture of :mod:`hf_kvreuse.arch_zoo` (tiny random-init configs of the installed transformers) and
-each check of :data:`hf_kvreuse.arch_zoo.CHECKS` (self-control of every block cache, full recompute, layer-0
+For each architecture of :mod:`hf_kvreuse.models.arch_zoo` (tiny random-init configs of the installed transformers) and
+each check of :data:`hf_kvreuse.models.arch_zoo.CHECKS` (self-control of every block cache, full recompute, layer-0
 re-positioning of standalone blocks and of an OptimisticCache's donor rows), the cache either reproduces the
 model (tokens and logits, or layer-0 K/V) or its constructor raises a ``ValueError`` naming the model. A refusal
 must also be explained by the model check: a cache may refuse only a model whose probe failed for a mechanism
@@ -17,7 +17,7 @@ import transformers
 
 from hf_kvreuse import enable
 from hf_kvreuse.compat import TRANSFORMERS_VERSION
-from hf_kvreuse.arch_zoo import CHECKS, SPECS, run_check, zoo_configs, zoo_model
+from hf_kvreuse.models.arch_zoo import CHECKS, SPECS, run_check, zoo_configs, zoo_model
 from hf_kvreuse.model_check import check_model
 
 ARCHS = sorted(zoo_configs())

@@ -5,9 +5,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import DynamicCache
 
-from hf_kvreuse import BaseLRCache, UnsupportedAdapterError, kv_of, tiny_model
+from hf_kvreuse import BaseLRCache, UnsupportedAdapterError
 from hf_kvreuse.compat import cache_kwargs
-from hf_kvreuse.kv import load_kv
+from hf_kvreuse.kv import kv_of, load_kv
+from hf_kvreuse.models import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 AGENTS = ("plan", "act", "reflect")

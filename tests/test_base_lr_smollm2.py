@@ -4,16 +4,18 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvreuse import BaseLRCache, kv_of, load_smollm2
+from hf_kvreuse import BaseLRCache
 from hf_kvreuse.compat import cache_kwargs
-from hf_kvreuse.datasets import squad
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.workflows.datasets import squad
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def roles():
-    from hf_kvreuse import react
+    from hf_kvreuse.workflows import react
 
     model, tok = load_smollm2()  # a fresh copy: peft wraps the model's modules in place
     pm = react.load_role_adapters(model)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, OffsetCache, TailRecomputeCache,
-                        kv_of, tiny_model)
+from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, OffsetCache, TailRecomputeCache
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.models import tiny_model
 
 from conftest import exact_prefill
 
@@ -197,7 +198,7 @@ def test_offset_cache(llama):
     kd, ko = kv_of(direct), kv_of(offset)
     # layer 0 untouched; above it, every block row moved by the same (per-block) value offset
     torch.testing.assert_close(ko[0][0][..., :n, :], kd[0][0][..., :n, :], atol=1e-5, rtol=1e-5)
-    from hf_kvreuse import RopeShifter
+    from hf_kvreuse.rope import RopeShifter
 
     sh = RopeShifter(llama)
     for s, e in spans:
@@ -225,7 +226,7 @@ def test_offset_formula_with_a_nonzero_offset(llama):
 
     Planted bug that fails it: ``OffsetCache._apply_offset`` reads the target anchor at row ``s`` instead of
     ``s - 1``."""
-    from hf_kvreuse import RopeShifter
+    from hf_kvreuse.rope import RopeShifter
 
     ids, _, spans = rag_prompt(8)
     (s, e) = spans[0]

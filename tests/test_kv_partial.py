@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from hf_kvreuse import KVReuseCache, cat_kv, kv_length, kv_of, load_kv, partial_forward, scatter_kv, slice_kv
+from hf_kvreuse import KVReuseCache
+from hf_kvreuse.generation import partial_forward
 from hf_kvreuse.generation.partial import position_causal_mask
-from hf_kvreuse.kv import empty_kv
+from hf_kvreuse.kv import cat_kv, empty_kv, kv_length, kv_of, load_kv, scatter_kv, slice_kv
 
 
 from conftest import assert_kv_close, exact_prefill as _prefill

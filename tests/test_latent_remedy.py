@@ -4,11 +4,11 @@ records with the SmolLM2 tokenizer. Planted bugs: docs/MUTATIONS.md."""
 import pytest
 import torch
 
-from hf_kvreuse import (ChunkStore, DirectReuseCache, LatentBridge, LatentBridgeMismatchError, LatentRemedyCache,
-                        enable, tiny_model)
+from hf_kvreuse import ChunkStore, DirectReuseCache, LatentBridge, LatentBridgeMismatchError, LatentRemedyCache, enable
 from hf_kvreuse.compat import HAS_QUERY_OFFSET
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.latent.train import make_example, student_logits, student_loss
+from hf_kvreuse.models import tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral"]
 # latent rows are cache entries that are not prompt tokens: sizing the mask for them needs Cache.get_query_offset
@@ -225,7 +225,7 @@ def test_conflicting_records():
     held-out families disjoint."""
     from transformers import AutoTokenizer
 
-    from hf_kvreuse import smollm2_path
+    from hf_kvreuse.models import smollm2_path
     from hf_kvreuse.workflows import (FAMILIES, HELDOUT_FAMILIES, TRAIN_FAMILIES, conflict_records, is_correct,
                                       prompt_parts)
 

@@ -12,10 +12,11 @@ import weakref
 import pytest
 import torch
 
-from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, OptimisticCache, enable, kv_of, tiny_model
+from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, OptimisticCache, enable
 from hf_kvreuse.compat import output_cache
 from hf_kvreuse.generation.background import BackgroundPrefill
-from hf_kvreuse.kv import copy_shifted_, kv_nbytes, release_kv
+from hf_kvreuse.kv import copy_shifted_, kv_nbytes, kv_of, release_kv
+from hf_kvreuse.models import tiny_model
 from hf_kvreuse.rope import RopeShifter
 from hf_kvreuse.timing import PeakMemory, malloc_trim
 

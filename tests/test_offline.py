@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from hf_kvreuse.models import OFFLINE_MODELS, model_path
-from hf_kvreuse.offline import check_sha256, sha256_of
+from hf_kvreuse.models.offline import check_sha256, sha256_of
 
 
 def test_sha256_mismatch_is_an_error_and_the_file_is_deleted(tmp_path):

@@ -4,9 +4,10 @@ import warnings
 import pytest
 import torch
 
-from hf_kvreuse import OptimisticCache, enable, is_enabled, tiny_model
+from hf_kvreuse import OptimisticCache, enable, is_enabled
 from hf_kvreuse.compat import output_cache
 from hf_kvreuse.generation.background import BackgroundPrefill
+from hf_kvreuse.models import tiny_model
 
 from conftest import agent_prompts, assert_kv_close, exact_prefill
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from hf_kvreuse import react
-from hf_kvreuse.datasets import SquadItem, squad
+from hf_kvreuse.workflows import react
+from hf_kvreuse.workflows.datasets import SquadItem, squad
 
 P1 = "Super Bowl 50 was played in 2016. The Denver Broncos beat the Carolina Panthers 24-10."
 P2 = "The game was held at Levi's Stadium in Santa Clara."
@@ -96,7 +96,7 @@ def test_shipped_adapter_configs():
 def test_adapters_beat_base_on_own_skill():
     import torch
 
-    from hf_kvreuse import load_smollm2
+    from hf_kvreuse.models import load_smollm2
 
     torch.set_num_threads(2)
     items = squad()

@@ -2,8 +2,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvreuse import RopeShifter, UnsupportedRopeError, OptimisticCache, tiny_model
-from hf_kvreuse.rope import check_rope_supported
+from hf_kvreuse import UnsupportedRopeError, OptimisticCache
+from hf_kvreuse.models import tiny_model
+from hf_kvreuse.rope import RopeShifter, check_rope_supported
 
 from conftest import exact_prefill
 

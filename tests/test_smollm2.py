@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from hf_kvreuse import OptimisticCache, RopeShifter
+from hf_kvreuse import OptimisticCache
 from hf_kvreuse.compat import output_cache
-from hf_kvreuse.agents import DEFAULT_AGENTS, agent_prompt
+from hf_kvreuse.rope import RopeShifter
+from hf_kvreuse.workflows.agents import DEFAULT_AGENTS, agent_prompt
 
 from conftest import exact_prefill
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from hf_kvreuse import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer, RandomScorer,
-                        RankDisagreementScorer, TranslatedCache, enable, tiny_model)
+                        RankDisagreementScorer, TranslatedCache, enable)
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.model_check import check_model
+from hf_kvreuse.models import tiny_model
 from hf_kvreuse.rope import RopeShifter
 from hf_kvreuse.translation.mapper import MapperConfig, MapperStats, PairGeometry, content_features
 

@@ -11,12 +11,14 @@ import transformers
 from transformers import DynamicCache, GenerationConfig
 
 from hf_kvreuse import (BlendCache, DirectReuseCache, EPICCache, KVReuseCache, OffsetCache, OptimisticCache,
-                        TailRecomputeCache, dynamic_cache_from_kv, enable, is_enabled, kv_of, tiny_model)
+                        TailRecomputeCache, enable, is_enabled)
 from hf_kvreuse.compat import cache_kwargs, output_cache
 from hf_kvreuse.generation import background
 from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.generation.partial import _ScatterCache, partial_forward
+from hf_kvreuse.kv import dynamic_cache_from_kv, kv_of
 from hf_kvreuse.model_check import UnsupportedModelError, check_model
+from hf_kvreuse.models import tiny_model
 from hf_kvreuse.rope import UnsupportedRopeError
 
 from conftest import agent_prompts, assert_kv_close, exact_prefill

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..generation.protocol import ReuseCacheHooks
 
-class KVReuseCache(DynamicCache):
+
+class KVReuseCache(DynamicCache, ReuseCacheHooks):
     """A DynamicCache that ``generate`` on an :func:`hf_kvreuse.enable`-d model prepares and steps.
 
     Parameters
@@ -210,7 +212,7 @@ class KVReuseCache(DynamicCache):
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"{type(self).__name__} holds its model; it is not pickled. Save its K/V "
-                        "(hf_kvreuse.kv_of(cache)) with safetensors instead")
+                        "(hf_kvreuse.kv.kv_of(cache)) with safetensors instead")
 
     # -- lengths -------------------------------------------------------------------------------------------
     def physical_length(self, layer_idx: int = 0) -> int:

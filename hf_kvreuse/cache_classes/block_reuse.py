@@ -54,7 +54,7 @@ def find_blocks(input_ids: torch.Tensor, block_ids: Sequence[torch.Tensor]) -> l
                 break
         else:
             raise ValueError(f"block of {n} tokens not found in the prompt (was it tokenized separately? cut "
-                             "blocks from the full prompt's tokens, see hf_kvreuse.segment_prompt)")
+                             "blocks from the full prompt's tokens, see hf_kvreuse.alignment.segment_prompt)")
     return taken
 
 

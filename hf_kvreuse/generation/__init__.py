@@ -3,6 +3,7 @@
 from .background import BackgroundPrefill
 from .mixin import KVReuseGenerationMixin, disable, enable, is_enabled
 from .partial import partial_forward, position_causal_mask
+from .protocol import ReuseCacheHooks
 
 __all__ = ["BackgroundPrefill", "KVReuseGenerationMixin", "enable", "disable", "is_enabled", "partial_forward",
-           "position_causal_mask"]
+           "position_causal_mask", "ReuseCacheHooks"]

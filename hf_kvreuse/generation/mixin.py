@@ -2,7 +2,9 @@
 
 :func:`enable` swaps the model's class for a subclass with :class:`KVReuseGenerationMixin` first in its MRO
 (same class name, so ``save_pretrained`` still records the original architecture). The mixin only acts when
-the cache passed to ``generate`` (``cache=`` or the older ``past_key_values=``) is a :class:`KVReuseCache`:
+the cache passed to ``generate`` (``cache=`` or the older ``past_key_values=``) is a :class:`KVReuseCache`
+(checked through its marker base :class:`~hf_kvreuse.generation.protocol.ReuseCacheHooks`: this package never
+imports the cache classes):
 
 * ``generate`` entry: validate the call (batch 1, no padding, no beams, the ids the cache was built for) and let
   the cache assemble itself, so assembly cost is inside time-to-first-token;
@@ -25,15 +27,15 @@ import inspect
 
 from transformers import GenerationMixin
 
-from ..cache_classes.base import KVReuseCache
 from ..compat import CACHE_KW, CACHE_NAMES, find_cache, prepare_inputs
+from .protocol import ReuseCacheHooks
 
 _ENABLED: dict[type, type] = {}
 
 
-def _find_cache(kwargs: dict) -> KVReuseCache | None:
+def _find_cache(kwargs: dict) -> ReuseCacheHooks | None:
     cache = find_cache(kwargs)
-    return cache if isinstance(cache, KVReuseCache) else None
+    return cache if isinstance(cache, ReuseCacheHooks) else None
 
 
 def _bind_generate(model, inputs, args: tuple, kwargs: dict) -> dict:
@@ -114,7 +116,7 @@ class KVReuseGenerationMixin(GenerationMixin):
             if finish_error is not None and error is None:
                 raise finish_error
 
-    def _continue_generate(self, cache: KVReuseCache, input_ids, kwargs: dict):
+    def _continue_generate(self, cache: ReuseCacheHooks, input_ids, kwargs: dict):
         """A later turn on a cache whose first generate finished: transformers' own DynamicCache path."""
         cache.begin_continuation(self, input_ids, kwargs)
         out = None
@@ -143,7 +145,7 @@ class KVReuseGenerationMixin(GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         extra = {}
         cache = find_cache(kwargs)
-        if isinstance(cache, KVReuseCache) and cache.phase == "active":
+        if isinstance(cache, ReuseCacheHooks) and cache.phase == "active":
             next_sequence_length, extra = cache.before_forward(input_ids, next_sequence_length)
         inputs = prepare_inputs(super().prepare_inputs_for_generation, input_ids, next_sequence_length, kwargs)
         inputs.update(extra)
@@ -151,7 +153,7 @@ class KVReuseGenerationMixin(GenerationMixin):
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         cache = find_cache(model_kwargs)
-        if isinstance(cache, KVReuseCache) and cache.phase == "active":
+        if isinstance(cache, ReuseCacheHooks) and cache.phase == "active":
             cache.after_forward(outputs)
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..offline import cache_dir
+from ..models.offline import cache_dir
 from .mapper import KVMapper
 
 QWEN_PAIR = "qwen2.5-coder-0.5b-to-1.5b"
@@ -21,7 +21,7 @@ QWEN_PAIR = "qwen2.5-coder-0.5b-to-1.5b"
 
 def calibration_ids(tokenizer, n: int = 64, max_tokens: int = 512, offset: int = 0) -> list[torch.Tensor]:
     """``n`` calibration prompts: DROP passage + question in the chat QA format, at most ``max_tokens`` tokens."""
-    from ..datasets import drop, qa_chat_ids
+    from ..workflows.datasets import drop, qa_chat_ids
 
     items = drop()
     seen, out = set(), []

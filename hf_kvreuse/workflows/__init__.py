@@ -1,7 +1,19 @@
-"""Workloads: multi-agent records and prompts (conflicting tasks for LatentRemedy)."""
+"""Workloads: multi-agent chains (:mod:`.agents`), ReAct episodes for the plan / act / reflect role adapters
+(:mod:`.react`), offline evaluation data (:mod:`.datasets`: SQuAD, DROP) and conflicting-task records for
+LatentRemedy (:mod:`.conflicting`)."""
 
+from . import react
+from .agents import DEFAULT_AGENTS, Agent, agent_prompt, role_text
 from .conflicting import (FAMILIES, HELDOUT_FAMILIES, TRAIN_FAMILIES, ConflictRecord, conflict_records, is_correct,
                           prompt_parts)
+from .datasets import (DropItem, SquadItem, contains_answer, context_for, drop, normalize_answer, passages_for,
+                       qa_chat_ids, squad)
+from .react import ROLE_ADAPTERS_DIR, ROLES, agent_turn, episode, load_role_adapters, react_stop, role_lora_config
 
 __all__ = ["FAMILIES", "HELDOUT_FAMILIES", "TRAIN_FAMILIES", "ConflictRecord", "conflict_records", "is_correct",
-           "prompt_parts"]
+           "prompt_parts",
+           "Agent", "DEFAULT_AGENTS", "agent_prompt", "role_text",
+           "SquadItem", "DropItem", "squad", "drop", "qa_chat_ids", "passages_for", "context_for", "contains_answer",
+           "normalize_answer",
+           "react", "ROLES", "ROLE_ADAPTERS_DIR", "load_role_adapters", "role_lora_config", "agent_turn", "episode",
+           "react_stop"]

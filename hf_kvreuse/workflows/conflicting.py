@@ -155,7 +155,7 @@ def _schedule(rng: random.Random) -> ConflictRecord:
 
 
 def _squad_pairs(seed: int, n: int) -> list[ConflictRecord]:
-    from ..datasets import normalize_answer, squad
+    from .datasets import normalize_answer, squad
 
     by_passage: dict[str, list] = {}
     for it in squad():
@@ -195,7 +195,7 @@ _YEARS = re.compile(r"\b(1[0-9]{3}|20[0-2][0-9])\b")
 
 
 def _years_records(seed: int, n: int) -> list[ConflictRecord]:
-    from ..datasets import squad
+    from .datasets import squad
 
     rng = random.Random(seed)
     out, seen = [], set()
@@ -267,7 +267,7 @@ def prompt_parts(tokenizer, record: ConflictRecord, side: str, post: bool = Fals
 def is_correct(answer: str, gold: str) -> bool:
     """The gold string appears in the answer as whole words (case and punctuation ignored; articles ignored too
     unless the gold is a single letter such as an option label)."""
-    from ..datasets import normalize_answer
+    from .datasets import normalize_answer
 
     def plain(x: str) -> str:
         return " ".join(re.sub(r"[^\w\s]", " ", x.lower()).split())

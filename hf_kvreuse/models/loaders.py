@@ -192,7 +192,7 @@ def tiny_config(arch: str = "llama", **overrides):
     layers after its check layer), hidden 64, 4 heads / 2 KV heads, vocab 128."""
     import transformers
 
-    from .compat import config_kwargs
+    from ..compat import config_kwargs
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

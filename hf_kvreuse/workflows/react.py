@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .compat import cache_kwargs
+from ..compat import cache_kwargs
 from .datasets import SquadItem, contains_answer, normalize_answer
 
 INSTRUCTION = ("Answer the question with tools. Retrieve[topic] returns passages about the topic, "
@@ -39,7 +39,7 @@ ACT_THOUGHT = "Thought: The observation contains the answer.\n"
 # script agree; 128 of the 1000 SQuAD items.
 EVAL_TITLES = ("Chloroplast", "Force", "Imperialism", "Normans", "Sky_(United_Kingdom)",
                "Victoria_and_Albert_Museum")
-ROLE_ADAPTERS_DIR = Path(__file__).parent / "adapters" / "smollm2_roles"
+ROLE_ADAPTERS_DIR = Path(__file__).parent.parent / "adapters" / "smollm2_roles"
 # Generation budgets per role: enough for the longest target (plan: ~30 tokens for the longest title).
 MAX_NEW_TOKENS = {"plan": 40, "act": 24, "reflect": 12}
 
@@ -66,7 +66,7 @@ def split_items(items: Sequence[SquadItem]) -> tuple[list[SquadItem], list[Squad
 def observation_passages(item: SquadItem, items: Sequence[SquadItem], n_passages: int = 1,
                          rng: random.Random | None = None) -> list[str]:
     """``item``'s passage among ``n_passages - 1`` other passages of the same article (distractors that share the
-    topic), at a random position. For ~1k-token observations use :func:`hf_kvreuse.datasets.passages_for`."""
+    topic), at a random position. For ~1k-token observations use :func:`hf_kvreuse.workflows.datasets.passages_for`."""
     rng = rng or random.Random(0)
     others = sorted({it.passage for it in items if it.title == item.title} - {item.passage})
     passages = rng.sample(others, min(n_passages - 1, len(others)))
@@ -216,7 +216,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 24, stop: str 
 
 def role_lora_config():
     """The PReCache role-adapter LoRA: rank 8, alpha 16, on ``v_proj`` only (K stays adapter-free)."""
-    from .compat import import_peft
+    from ..compat import import_peft
 
     return import_peft().LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj"],
                                     task_type="CAUSAL_LM")
@@ -227,7 +227,7 @@ def load_role_adapters(model, path: str | Path | None = None):
 
     Parameters
     ----------
-    model : the base SmolLM2-135M-Instruct (``hf_kvreuse.load_smollm2()[0]``).
+    model : the base SmolLM2-135M-Instruct (``hf_kvreuse.models.load_smollm2()[0]``).
     path : folder with one ``PeftModel.save_pretrained`` subfolder per role (default :data:`ROLE_ADAPTERS_DIR`).
 
     Returns
@@ -235,7 +235,7 @@ def load_role_adapters(model, path: str | Path | None = None):
     peft.PeftModel in eval mode with ``plan`` active; switch with ``set_adapter(role)``, use the base model with
     ``with pm.disable_adapter():``.
     """
-    from .compat import import_peft
+    from ..compat import import_peft
 
     path = Path(path) if path is not None else ROLE_ADAPTERS_DIR
     pm = import_peft().PeftModel.from_pretrained(model, path / ROLES[0], adapter_name=ROLES[0])
@@ -265,7 +265,7 @@ def agent_turn(pm, tokenizer, cache, agent: str, prompt: str, max_new_tokens: in
 
     Returns the generated text and the time to its first token (seconds).
     """
-    from .timing import TokenTimer
+    from ..timing import TokenTimer
 
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     pm.set_adapter(agent)

