@@ -24,8 +24,10 @@ setup(
         "safetensors",      # every saved artifact (maps, bridges, adapters): never pickles
         "tqdm",             # progress bars of KVMapper.fit and the LatentRemedy trainer
     ],
+    entry_points={"console_scripts": ["hf-kvreuse = hf_kvreuse.cli:main"]},
     extras_require={
-        "dev": ["pytest>=8"],
+        # nbclient + ipykernel: CI executes examples/quickstart.ipynb
+        "dev": ["pytest>=8", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6"],
         "bench": ["matplotlib>=3.7"],
         "triton": ["triton>=3.0"],
     },

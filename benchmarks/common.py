@@ -1,32 +1,14 @@
-"""Helpers shared by the benchmark scripts: the TTFT floor, per-setting summaries, markdown tables."""
+"""Helpers shared by the benchmark scripts: per-setting summaries, markdown tables (the TTFT floor and the Wilson
+interval live in the package and are re-exported here)."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Callable, Sequence
 
-import torch
 
-from hf_kvreuse.compat import cache_kwargs
-from hf_kvreuse.kv import dynamic_cache_from_kv, slice_kv
-from hf_kvreuse.timing import now
-
-
-def floor_seconds(model, ids: torch.Tensor, exact_cache, new_tokens: int) -> float:
-    """prefill(new_tokens) on an exact cache of the tokens before them, plus one decode step (synchronised)."""
-    covered = ids.shape[1] - 1
-    start = covered - new_tokens
-    cache = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in slice_kv(exact_cache, slice(0, start))],
-                                  model.config)
-    dev = ids.device
-    with torch.no_grad():
-        t0 = now(dev)
-        if new_tokens:
-            model(ids[:, start:covered], position_ids=torch.arange(start, covered, device=dev)[None],
-                  logits_to_keep=1, **cache_kwargs(cache))
-        model(ids[:, covered:], position_ids=torch.tensor([[covered]], device=dev), logits_to_keep=1,
-              **cache_kwargs(cache))
-        return now(dev) - t0
+from hf_kvreuse.cli import wilson  # noqa: F401  (one implementation, shared with hf-kvreuse bench)
+from hf_kvreuse.timing import floor_seconds  # noqa: F401
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -83,14 +65,3 @@ MEMORY_COLUMNS = [
 ]
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score 95% interval of a proportion k / n."""
-    import math
-
-    if n == 0:
-        return (float("nan"), float("nan"))
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (c - h, c + h)

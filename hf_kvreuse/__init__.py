@@ -1,6 +1,7 @@
 """hf_kvreuse: KV-cache reuse beyond exact prefix caching, as drop-in transformers caches.
 
-The top level holds the public API: the caches and their stats, :func:`enable` / :func:`disable`, the chunk store
+The top level holds the public API: the caches and their stats, :class:`ReuseSession` (one object that reuses every
+earlier call's cache), :func:`enable` / :func:`disable`, the chunk store
 and what the caches are built from (mappers, scorers, bridges, LoRA splits, block finders) with the errors they
 raise. Lower-level helpers live in their modules: :mod:`hf_kvreuse.kv` (K/V helpers), :mod:`hf_kvreuse.rope`,
 :mod:`hf_kvreuse.alignment`, :mod:`hf_kvreuse.timing`, :mod:`hf_kvreuse.generation` (background prefill, partial
@@ -20,7 +21,7 @@ from .model_check import UnsupportedModelError
 from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer, RandomScorer,
                           RankDisagreementScorer, Scorer)
 from .rope import UnsupportedRopeError
-# sessions: ReuseSession and SessionStats will be imported (and added to __all__) here
+from .session import ReuseSession, SessionStats
 
 from .pipeline import KVReuseTextGenerationPipeline, register as _register_pipeline
 
@@ -39,6 +40,5 @@ __all__ = [
     "ChunkStore", "KVChunk", "output_cache",
     "enable", "disable", "is_enabled",
     "UnsupportedRopeError", "UnsupportedModelError",
-    "KVReuseTextGenerationPipeline",
-    # sessions (later): "ReuseSession", "SessionStats"
+    "KVReuseTextGenerationPipeline", "ReuseSession", "SessionStats",
 ]

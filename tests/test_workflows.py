@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from hf_kvreuse.workflows.graphs import SHAPES, parse_choice, run_workflow
 from hf_kvreuse.session import ReuseSession
