@@ -232,6 +232,25 @@ def print_summary(rows: list[dict]) -> None:
               f"{r['agreement']:>6.2f} {r['ttft_s']:>7.3f} {r['ttft_ratio']:>6.2f} {r['e2e_ratio']:>6.2f} {fl:>6}")
 
 
+def merge(paths: list[str], out: Path) -> dict:
+    """Join runs of the same configuration over different questions (e.g. ``--seed`` shards run in parallel)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    records, methods = [], []
+    for i, r in enumerate(runs):
+        for rec in r["records"]:
+            rec = dict(rec, question=f"{i}:{rec['question']}")
+            records.append(rec)
+            if rec["method"] not in methods:
+                methods.append(rec["method"])
+    first = next(r["question"] for r in records)
+    for r in records:  # the timeline plot draws one question
+        r["question"] = 0 if r["question"] == first else r["question"]
+    result = dict(config=[r["config"] for r in runs], merged_from=list(paths),
+                  summary=summarize(records, methods), records=records)
+    write(result, out)
+    return result
+
+
 def _csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
 
@@ -257,7 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_results")
+    mg = sub.add_parser("merge", help="join bench.json files of one configuration run over different questions")
+    mg.add_argument("files", nargs="+")
+    mg.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.command == "merge":
+        print_summary(merge(args.files, Path(args.out))["summary"])
+        return 0
     for m in args.methods:
         if m not in POLICIES or m in ("translated",):
             raise SystemExit(f"--methods: {m!r} is not a session policy the bench can run ({POLICIES[:-1]})")

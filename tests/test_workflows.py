@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from hf_kvreuse.workflows.graphs import SHAPES, parse_choice, run_workflow
 from hf_kvreuse.session import ReuseSession
@@ -102,3 +103,58 @@ def test_bench_cli(smollm2, tmp_path):
     assert set(rows) == {(w, m) for w in ("chain", "judge") for m in ("full", "prefix", "auto")}
     assert rows[("chain", "prefix")]["agreement"] == 1.0 and rows[("judge", "full")]["judge_consistency"] == 1.0
     assert "ttft_over_floor" in rows[("chain", "auto")]
+
+
+def test_agents_with_own_adapter_or_model(smollm2):
+    """Agents may run their own LoRA adapter or their own model: each call runs under it (answers equal a
+    full-prefill run of the same workflow), and K/V made under one adapter are never another's exact prefix.
+
+    Planted bug that fails it: ``run_workflow`` ignores ``agent.adapter`` (no ``set_adapter``): the agents then
+    all run the adapter that happened to be active, and their answers differ from plain generate of the same
+    prompt under their own adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_kvreuse import enable
+    from hf_kvreuse.models import tiny_model
+    from hf_kvreuse.workflows import DEFAULT_AGENTS, Agent
+
+    _, tok = smollm2
+    vocab = len(tok)
+    cfg = dict(r=4, target_modules=["v_proj"], init_lora_weights=False)
+    pm = get_peft_model(tiny_model("llama", vocab_size=vocab), LoraConfig(**cfg), adapter_name="writer_lora")
+    pm.add_adapter("critic_lora", LoraConfig(**cfg))
+    enable(pm)
+    other = enable(tiny_model("llama", seed=3, vocab_size=vocab))
+    r, c, w = DEFAULT_AGENTS
+    agents = [Agent(r.name, r.system, r.instruction, model=other), Agent(c.name, c.system, c.instruction,
+              adapter="critic_lora"), Agent(w.name, w.system, w.instruction, adapter="writer_lora")]
+    sessions = {}
+    pm.set_adapter("critic_lora")  # the wrong one for the writer: the workflow must switch
+    got = run_workflow(ReuseSession(pm, policy="auto", method_kwargs=EXACT), tok, DOC, QUESTION, agents=agents,
+                       rounds=2, max_new_tokens=5, sessions=sessions)
+    assert len(sessions) == 1 and next(iter(sessions.values())).model is other
+    by_name = {a.name: a for a in agents}
+    for t in got.turns:  # each answer is plain generate of its prompt under the agent's own weights
+        agent = by_name[t.agent]
+        m = agent.model or pm
+        if agent.adapter:
+            pm.set_adapter(agent.adapter)
+        ids = t.prompt_ids
+        ref = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+        assert t.answer == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True).strip(), t.agent
+    assert all(t.stats["exact"] for t in got.turns)
+
+
+def test_bench_merge(smollm2, tmp_path):
+    """``hf-kvreuse merge`` joins shards of one configuration: the cells count every question once."""
+    from hf_kvreuse.cli import main
+
+    outs = []
+    for seed in (0, 7):
+        out = tmp_path / f"s{seed}"
+        main(["bench", "--model", "smollm2", "--n", "1", "--seed", str(seed), "--workflows", "chain", "--methods",
+              "prefix", "--context-tokens", "120", "--max-new-tokens", "2", "--out", str(out)])
+        outs.append(str(out / "bench.json"))
+    assert main(["merge", *outs, "--out", str(tmp_path / "m")]) == 0
+    res = json.loads((tmp_path / "m" / "bench.json").read_text())
+    assert {r["method"]: r["n"] for r in res["summary"]} == {"full": 2, "prefix": 2}

@@ -6,17 +6,24 @@ so consecutive prompts differ at their very start and exact prefix caching canno
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass(frozen=True)
 class Agent:
+    """One agent of a workflow: its name, role (system) text and instruction; optionally its own LoRA adapter
+    (the name of an adapter of the session's peft model, made active for its calls) or its own model (same
+    tokenizer; its calls go through a session of that model)."""
+
     name: str
     system: str
     instruction: str  # what this agent is asked to do, after the shared material
     guidelines: str = ""  # longer role text, used when a workload asks for more agent-specific tokens
+    adapter: str | None = None
+    model: Any = field(default=None, compare=False, repr=False)
 
 
 DEFAULT_AGENTS = (

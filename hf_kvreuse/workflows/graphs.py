@@ -110,11 +110,14 @@ def parse_choice(text: str, n: int) -> int | None:
 
 def run_workflow(session, tokenizer, document: str, question: str, shape: str = "fully_connected",
                  agents: Sequence[Agent] = DEFAULT_AGENTS, rounds: int = 3, max_new_tokens: int = 32,
-                 role_tokens: int | None = None, judge: Agent = JUDGE, **generate_kwargs) -> WorkflowRun:
+                 role_tokens: int | None = None, judge: Agent = JUDGE, sessions: dict | None = None,
+                 **generate_kwargs) -> WorkflowRun:
     """Run one workflow over one question; every agent call goes through ``session`` (a ReuseSession).
 
     Greedy decoding unless ``generate_kwargs`` say otherwise. ``rounds`` is ignored by ``chain`` and
-    ``judge`` (one round).
+    ``judge`` (one round). An agent with its own ``adapter`` has it activated (``set_adapter``) for its calls;
+    one with its own ``model`` goes through a session of that model with the same policy and budget, kept in
+    ``sessions`` (pass a dict to keep them across questions).
     """
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}: choose one of {SHAPES}")
@@ -124,14 +127,32 @@ def run_workflow(session, tokenizer, document: str, question: str, shape: str = 
         raise ValueError("rounds must be >= 1")
     generate_kwargs.setdefault("do_sample", False)
     turns: list[Turn] = []
+    sessions = {} if sessions is None else sessions
+
+    def session_for(agent: Agent):
+        if agent.model is None or agent.model is session.model:
+            return session
+        key = id(agent.model)
+        if key not in sessions:
+            from ..session import ReuseSession
+
+            sessions[key] = ReuseSession(agent.model, max_bytes=session.max_bytes, policy=session.policy,
+                                         min_span=session.min_span, method_kwargs=session.method_kwargs)
+        return sessions[key]
 
     def call(agent: Agent, r: int, **parts) -> str:
+        s = session_for(agent)
+        if agent.adapter is not None:
+            if not hasattr(s.model, "set_adapter"):
+                raise ValueError(f"agent {agent.name!r} names adapter {agent.adapter!r} but the model has no "
+                                 "adapters (wrap it with peft)")
+            s.model.set_adapter(agent.adapter)
         ids = workflow_prompt(tokenizer, agent, document, question, role_tokens=role_tokens, **parts)
         t0 = time.perf_counter()
-        out = session.generate(ids, agent=agent.name, max_new_tokens=max_new_tokens, **generate_kwargs)
+        out = s.generate(ids, agent=agent.name, max_new_tokens=max_new_tokens, **generate_kwargs)
         wall = time.perf_counter() - t0
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        turns.append(Turn(r, agent.name, int(ids.shape[1]), text, wall, session.last_stats.as_dict(), ids))
+        turns.append(Turn(r, agent.name, int(ids.shape[1]), text, wall, s.last_stats.as_dict(), ids))
         return text
 
     n_rounds = rounds if shape in ("fully_connected", "debate") else 1
