@@ -284,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(merge(args.files, Path(args.out))["summary"])
         return 0
     for m in args.methods:
-        if m not in POLICIES or m in ("translated",):
-            raise SystemExit(f"--methods: {m!r} is not a session policy the bench can run ({POLICIES[:-1]})")
+        if m not in POLICIES or m in ("translated", "base_lr"):
+            runnable = [p for p in POLICIES if p not in ("translated", "base_lr")]
+            raise SystemExit(f"--methods: {m!r} is not a session policy the bench can run ({runnable}; translated "
+                             "needs a source model and a map, base_lr a peft model)")
     for w in args.workflows:
         if w not in SHAPES:
             raise SystemExit(f"--workflows: {w!r} is not one of {SHAPES}")

@@ -17,9 +17,10 @@ each new prompt,
 Policies: ``"full"`` (plain prefill), ``"prefix"`` (exact prefix only: the vLLM / SGLang baseline),
 ``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"`` and
 ``"latent"`` over the session's own caches as blocks (RelayCaching-style reuse of earlier agents' K/V, each span
-taken with the K/V it had in its earlier call), and ``"translated"`` (a smaller model prefills; it needs
-``method_kwargs=dict(source_model=..., mapper=...)``). Caches of approximate methods are kept as donors but
-never as an exact prefix.
+taken with the K/V it had in its earlier call), ``"translated"`` (a smaller model prefills; it needs
+``method_kwargs=dict(source_model=..., mapper=...)``) and ``"base_lr"`` (multi-LoRA agents over one trajectory:
+the session holds one :class:`~hf_kvreuse.BaseLRCache`, the active peft adapter is the agent of each call).
+Caches of approximate methods are kept as donors but never as an exact prefix.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from .compat import CACHE_KW, CACHE_NAMES
 from .kv import KV, kv_of, load_kv
 from .timing import TokenTimer
 
-POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "latent", "translated")
+POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "latent", "translated",
+            "base_lr")
 BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "latent")
 
 
@@ -155,13 +157,15 @@ class ReuseSession:
         self.calls = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_key = 0
+        self._trajectory = None  # the BaseLRCache of policy "base_lr"
         self._lock = threading.Lock()
 
     # -- what is held ----------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """K/V bytes held now."""
-        return sum(e.nbytes for e in self._entries.values())
+        held = sum(e.nbytes for e in self._entries.values())
+        return held + (self._trajectory.kv_bytes() if self._trajectory is not None else 0)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -169,6 +173,7 @@ class ReuseSession:
     def clear(self) -> None:
         """Drop every held cache."""
         self._entries.clear()
+        self._trajectory = None
 
     def held(self) -> list[dict]:
         """One row per held cache, least recently used first: tokens, exact, agent, bytes."""
@@ -212,6 +217,8 @@ class ReuseSession:
     def _generate(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
         n = ids.shape[1]
         stats = SessionStats(policy=policy, method=policy, agent=agent, prompt_tokens=n)
+        if policy == "base_lr":
+            return self._generate_base_lr(ids, stats, kwargs)
         from .chunk_store import model_fingerprint
 
         producer = model_fingerprint(self.model)  # another adapter's or model's K/V are never an exact prefix
@@ -259,6 +266,32 @@ class ReuseSession:
             if key in self._entries:
                 self._entries.move_to_end(key)
         self._store(cache, sequences, stats, agent, producer)
+        self.calls += 1
+        self.last_stats = stats
+        return out
+
+    def _generate_base_lr(self, ids: torch.Tensor, stats: SessionStats, kwargs: dict):
+        """One BaseLRCache for the session's trajectory: it crops to the common prefix and prefills the rest."""
+        from .cache_classes.base_lr import BaseLRCache
+
+        if self._trajectory is None:
+            self._trajectory = BaseLRCache(self.model, **self.method_kwargs)
+        cache = self._trajectory
+        timer = TokenTimer(ids.device)
+        kwargs = dict(kwargs, streamer=_Tee(timer, kwargs.get("streamer")))
+        kwargs[CACHE_KW] = cache
+        timer.start()
+        out = self.model.generate(ids, **kwargs)
+        stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        turn = cache.stats.turns[-1]
+        stats.exact_prefix_tokens, stats.new_tokens = turn.cached_tokens, turn.prefill_tokens
+        stats.generated_tokens = turn.generated_tokens
+        stats.exact = cache.method == "nonshared"  # the shared methods carry other adapters' hidden states
+        stats.cache_stats = asdict(turn)
+        stats.stored = True
+        if cache.kv_bytes() > self.max_bytes:  # the trajectory does not fit: start a new one next call
+            self._trajectory, stats.stored, stats.evicted = None, False, 1
+        stats.held_bytes = self.nbytes
         self.calls += 1
         self.last_stats = stats
         return out

@@ -301,3 +301,39 @@ def test_errors(model):
     with pytest.raises(ValueError, match="translated"):
         s.generate(toks(10, 0), policy="translated", **GEN)
     assert len(s) == 0
+
+
+def _two_adapter_model():
+    from peft import LoraConfig, get_peft_model
+
+    cfg = dict(r=4, target_modules=["v_proj"], init_lora_weights=False)
+    pm = get_peft_model(tiny_model("llama"), LoraConfig(**cfg), adapter_name="plan")
+    pm.add_adapter("act", LoraConfig(**cfg))
+    return enable(pm)
+
+
+@pytest.mark.parametrize("method", ["nonshared", "prelrshared"])
+def test_base_lr_policy_is_base_lr_cache(method):
+    """``policy="base_lr"``: the session's trajectory cache gives what one BaseLRCache driven by hand gives, and
+    its nonshared method is plain generate under each adapter.
+
+    Planted bug that fails it: ``_generate_base_lr`` builds a new BaseLRCache every call (``self._trajectory =
+    None`` first): nothing is cached any more (``exact_prefix_tokens`` stays 0)."""
+    from hf_kvreuse import BaseLRCache
+
+    pm = _two_adapter_model()
+    s = ReuseSession(pm, policy="base_lr", method_kwargs=dict(method=method))
+    by_hand = BaseLRCache(pm, method=method)
+    ids = toks(40, 1)
+    outs, hand = [], []
+    for turn, adapter in enumerate(["plan", "act", "plan"]):
+        pm.set_adapter(adapter)
+        got = s.generate(ids, agent=adapter, **GEN)
+        ref = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=by_hand, **GEN)
+        assert torch.equal(got, ref)
+        if method == "nonshared":
+            assert torch.equal(got, pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **GEN))
+        if turn == 2 or (turn and method != "nonshared"):  # nonshared: each agent reuses only its own turns
+            assert s.last_stats.exact_prefix_tokens > 0
+        assert s.last_stats.exact == (method == "nonshared") and s.nbytes > 0
+        ids = torch.cat([got, toks(6, 10 + turn)], 1)
