@@ -245,13 +245,7 @@ class ReuseSession:
         stats.method = method
 
         cache, used = self._build(method, ids, entries, al, prefix, prefix_key, stats, set(trusted))
-        timer = TokenTimer(ids.device)
-        kwargs = dict(kwargs)
-        kwargs["streamer"] = _Tee(timer, kwargs.get("streamer"))
-        kwargs[CACHE_KW] = cache
-        timer.start()
-        out = self.model.generate(ids, **kwargs)
-        stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        out = self._timed_generate(ids, cache, kwargs, stats)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
         cs = getattr(cache, "stats", None)
@@ -270,6 +264,17 @@ class ReuseSession:
         self.last_stats = stats
         return out
 
+    def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats):
+        """``model.generate`` with ``cache``; TTFT and total time from a streamer (the caller's still gets every
+        token)."""
+        timer = TokenTimer(ids.device)
+        kwargs = dict(kwargs, streamer=_Tee(timer, kwargs.get("streamer")))
+        kwargs[CACHE_KW] = cache
+        timer.start()
+        out = self.model.generate(ids, **kwargs)
+        stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        return out
+
     def _generate_base_lr(self, ids: torch.Tensor, stats: SessionStats, kwargs: dict):
         """One BaseLRCache for the session's trajectory: it crops to the common prefix and prefills the rest."""
         from .cache_classes.base_lr import BaseLRCache
@@ -277,12 +282,7 @@ class ReuseSession:
         if self._trajectory is None:
             self._trajectory = BaseLRCache(self.model, **self.method_kwargs)
         cache = self._trajectory
-        timer = TokenTimer(ids.device)
-        kwargs = dict(kwargs, streamer=_Tee(timer, kwargs.get("streamer")))
-        kwargs[CACHE_KW] = cache
-        timer.start()
-        out = self.model.generate(ids, **kwargs)
-        stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        out = self._timed_generate(ids, cache, kwargs, stats)
         turn = cache.stats.turns[-1]
         stats.exact_prefix_tokens, stats.new_tokens = turn.cached_tokens, turn.prefill_tokens
         stats.generated_tokens = turn.generated_tokens
