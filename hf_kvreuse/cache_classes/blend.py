@@ -65,7 +65,7 @@ class BlendCache(BlockReuseCache):
         everything = torch.arange(covered, device=device)
         hidden = self._layer_pass(ids, everything, kv, range(0, c + 1))
         new = kv[c][1 if self.deviation == "values" else 0]
-        dev = ((new - old).float() ** 2).sum(dim=(0, 1, 3))  # [covered]
+        dev = ((new - old).float() ** 2).sum(dim=(0, 1, 3)).to(device)  # [covered]; layer c may sit elsewhere
         candidates = torch.nonzero(reused).flatten()
         n_pick = int(candidates.numel() * self.recompute_ratio)
         picked = candidates[torch.topk(dev[candidates], n_pick).indices] if n_pick else candidates[:0]
@@ -73,8 +73,9 @@ class BlendCache(BlockReuseCache):
         keep_old = torch.ones(covered, dtype=torch.bool, device=device)
         keep_old[rows] = False
         for (k, v), (ok, ov) in zip(kv[1: c + 1], saved):
-            k[..., keep_old, :] = ok[..., keep_old, :]
-            v[..., keep_old, :] = ov[..., keep_old, :]
+            keep = keep_old.to(k.device)
+            k[..., keep, :] = ok[..., keep, :]
+            v[..., keep, :] = ov[..., keep, :]
         del saved, old, new
         if rows.numel() and c + 1 < len(kv):
             selected = hidden[:, rows]

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from ..chunk_store import ChunkStore, KVChunk, model_fingerprint
+from ..devices import layer_devices
 from ..generation.partial import partial_forward
 from ..kv import KV, alloc_layer, copy_shifted_, load_kv
 from ..rope import RopeShifter
@@ -174,8 +175,9 @@ class BlockReuseCache(KVReuseCache):
         if not self.blocks:  # no blocks: plain prefill of everything
             p = next(self.model.parameters())
             mc = self.model_check  # K/V geometry as the model's own cache stores it
-            z = torch.zeros(1, mc.kv_heads, covered, mc.head_dim, dtype=p.dtype, device=p.device)
-            return [(z.clone(), z.clone()) for _ in range(len(self.layers))]
+            shape = (1, mc.kv_heads, covered, mc.head_dim)
+            return [(torch.zeros(shape, dtype=p.dtype, device=d), torch.zeros(shape, dtype=p.dtype, device=d))
+                    for d in layer_devices(self.model)]
         gaps, prev = [], 0
         for s, e in self.blocks:
             if s > prev:
@@ -194,7 +196,7 @@ class BlockReuseCache(KVReuseCache):
                 chunk = self.chunks[(s, e)]
                 k, v = chunk.kv[layer]
                 copy_shifted_(dk[..., s:e, :], k.to(dk.device), self._shifter, s - chunk.start)
-                dv[..., s:e, :].copy_(v)
+                dv[..., s:e, :].copy_(v.to(dv.device))
             kv.append((dk, dv))
         return kv
 

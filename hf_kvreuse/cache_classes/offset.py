@@ -63,16 +63,20 @@ class OffsetCache(BlockReuseCache):
                              "the same anchor token in both contexts (compute the block under a prefix ending "
                              "with it)")
         sh = self._shifter
-        dev = kv[0][0].device
-        pos = torch.arange(s, e, device=dev)
-        # RoPE-free space: un-rotate every key by its own position
-        cs_blk = sh.cos_sin(-pos, dev)
-        cs_tgt = sh.cos_sin(torch.tensor([-(s - 1)], device=dev), dev)
-        cs_src = sh.cos_sin(torch.tensor([-(chunk.start - 1)], device=dev), dev)
-        cs_back = sh.cos_sin(pos, dev)
+        tables = {}
+
+        def rotations(dev):  # per device: the layers of a device_map-split model live on several
+            if dev not in tables:
+                pos = torch.arange(s, e, device=dev)
+                # RoPE-free space: un-rotate every key by its own position
+                tables[dev] = (sh.cos_sin(-pos, dev), sh.cos_sin(torch.tensor([-(s - 1)], device=dev), dev),
+                               sh.cos_sin(torch.tensor([-(chunk.start - 1)], device=dev), dev), sh.cos_sin(pos, dev))
+            return tables[dev]
+
         for layer in range(1, len(kv)):
             k, v = kv[layer]
-            src_ak, src_av = chunk.anchor[layer]
+            cs_blk, cs_tgt, cs_src, cs_back = rotations(k.device)
+            src_ak, src_av = (t.to(k.device) for t in chunk.anchor[layer])
             tgt_ak, tgt_av = k[..., s - 1: s, :], v[..., s - 1: s, :]
             k_blk = sh.shift(k[..., s:e, :], None, cs_blk)
             k_new = sh.shift(tgt_ak, None, cs_tgt) + k_blk - sh.shift(src_ak, None, cs_src)

@@ -29,6 +29,7 @@ from transformers import Cache
 
 from ..alignment import Alignment, align_multi
 from ..compat import cache_kwargs
+from ..devices import offloaded
 from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.partial import partial_forward
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
@@ -146,6 +147,11 @@ class OptimisticCache(KVReuseCache):
         self.donor_exact = exact
         if max_optimistic_tokens is not None and max_optimistic_tokens < 0:
             raise ValueError("max_optimistic_tokens must be >= 0 or None")
+        if max_optimistic_tokens != 0 and offloaded(model):
+            raise ValueError(f"{type(model).__name__} has offloaded weights (accelerate moves them in for every "
+                             "forward, and its hooks are not thread-safe): OptimisticCache cannot prefill in the "
+                             "background next to decoding. Load the model without offload, or pass "
+                             "max_optimistic_tokens=0 (exact prefill before the first token)")
         if background_start not in ("auto", "immediate", "after_first_token"):
             raise ValueError(f"background_start={background_start!r}")
         if on_early_finish not in ("swap", "cancel"):

@@ -1,4 +1,5 @@
-"""Exact prefill off the critical path: a worker thread on CPU, a side CUDA stream (driven by a thread) on GPU.
+"""Exact prefill off the critical path: a worker thread on CPU, side CUDA streams (driven by a thread) on GPU: one
+on every device the model's layers use, so a ``device_map`` split overlaps on each of them.
 
 The job prefills ``input_ids`` into a fresh ``DynamicCache`` and reports readiness without blocking the
 decode loop. Pitfalls handled (HF_API.md §2.3): grad mode, inference mode and autocast are thread-local, so
@@ -30,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compat import cache_kwargs
+from ..devices import layer_devices
 from ..kv import KV, kv_of, load_kv
 
 
@@ -132,8 +134,8 @@ class BackgroundPrefill:
         self._cache: DynamicCache | None = None
         self._cancel = threading.Event()
         self._done = threading.Event()
-        self._event = None
-        self._stream = None
+        self._events: dict = {}
+        self._streams: dict = {}
         self.elapsed_s: float | None = None
         self.started = False
         self.state = ThreadState.capture()  # built in the caller's thread: the worker computes as the caller would
@@ -164,10 +166,14 @@ class BackgroundPrefill:
         try:
             with self.state.enter(), torch.no_grad():
                 if self.on_cuda:
-                    with torch.cuda.stream(self._stream):
+                    with contextlib.ExitStack() as stack:  # the side stream of every device the layers use
+                        for stream in self._streams.values():
+                            stack.enter_context(torch.cuda.stream(stream))
                         self._cache = self._prefill()
-                        self._event.record(self._stream)
-                    self._stream.synchronize()  # this thread only: elapsed_s then covers the GPU work
+                        for d, stream in self._streams.items():
+                            self._events[d].record(stream)
+                    for stream in self._streams.values():
+                        stream.synchronize()  # this thread only: elapsed_s then covers the GPU work
                 else:
                     self._cache = self._prefill()
         except _Cancelled:
@@ -184,10 +190,13 @@ class BackgroundPrefill:
             return self
         self.started = True
         if self.on_cuda:
-            self._stream = torch.cuda.Stream(device=self.device)
-            self._event = torch.cuda.Event(enable_timing=False)
-            # the prompt (and the model's weights) were produced on the caller's stream
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # one side stream per CUDA device the model's layers run on (a device_map split uses several); each
+            # first waits for the caller's stream there: the prompt and the weights were produced on it
+            devices = {self.device} | {d for d in layer_devices(self.model) if d.type == "cuda"}
+            self._streams = {d: torch.cuda.Stream(device=d) for d in devices}
+            self._events = {d: torch.cuda.Event(enable_timing=False) for d in devices}
+            for d, stream in self._streams.items():
+                stream.wait_stream(torch.cuda.current_stream(d))
         if self.synchronous:
             self._run()
         else:
@@ -200,7 +209,7 @@ class BackgroundPrefill:
         if not self._done.is_set():
             return False
         if self.on_cuda and self._error is None and self._cache is not None:
-            return self._event.query()
+            return all(e.query() for e in self._events.values())
         return True
 
     @property
@@ -231,19 +240,21 @@ class BackgroundPrefill:
             raise RuntimeError("background exact prefill was cancelled")
         kv = kv_of(self._cache)
         if self.on_cuda:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self._event)
-            for k, v in kv:  # tensors allocated on the side stream are now used on `current`
-                k.record_stream(current)
-                v.record_stream(current)
+            for d, event in self._events.items():
+                torch.cuda.current_stream(d).wait_event(event)
+            for k, v in kv:  # tensors allocated on a side stream are now used on their device's current stream
+                for t in (k, v):
+                    if t.device.type == "cuda":
+                        t.record_stream(torch.cuda.current_stream(t.device))
         return kv
 
     def cancel(self) -> None:
         """Stop at the next chunk boundary and wait for the worker to exit (errors are dropped)."""
         self._cancel.set()
         self.join()
-        if self.on_cuda and self._stream is not None:
-            self._stream.synchronize()
+        if self.on_cuda:
+            for stream in self._streams.values():
+                stream.synchronize()
 
 
 class _Cancelled(Exception):

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compat import cache_kwargs
+from ..devices import PerDevice
 from ..kv import KV
 
 
@@ -30,7 +31,7 @@ class _ScatterCache(DynamicCache):
 
     def __init__(self, config, kv: KV, rows: torch.Tensor):
         super().__init__(config=config)
-        self._kv, self._rows = kv, rows
+        self._kv, self._rows = kv, PerDevice(rows)  # layers of a device_map-split model live on several devices
         self.writes = [0] * len(kv)
         if len(kv) != len(self.layers):
             raise ValueError(f"KV has {len(kv)} layers, the model {len(self.layers)}")
@@ -38,8 +39,9 @@ class _ScatterCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.writes[layer_idx] += 1
         k, v = self._kv[layer_idx]
-        k.index_copy_(-2, self._rows, key_states.to(k.dtype))
-        v.index_copy_(-2, self._rows, value_states.to(v.dtype))
+        rows = self._rows.on(k.device)
+        k.index_copy_(-2, rows, key_states.to(device=k.device, dtype=k.dtype))
+        v.index_copy_(-2, rows, value_states.to(device=v.device, dtype=v.dtype))
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
