@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from transformers import Cache, DynamicCache
 
+from . import kernels
 from .compat import init_layer
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -121,9 +122,14 @@ def release_kv(cache: Cache | KV) -> None:
 def copy_shifted_(dst: torch.Tensor, src: torch.Tensor, shifter=None, delta: int = 0, chunk: int = 512) -> None:
     """``dst[:] = src`` re-positioned by ``delta`` tokens (keys; values pass ``delta=0``), in place, through
     :meth:`hf_kvreuse.rope.RopeShifter.shift_into` (the one RoPE rotation of the library, any layout), with
-    temporaries of at most ``chunk`` tokens: no full-size index_select or rotated copy per layer."""
+    temporaries of at most ``chunk`` tokens: no full-size index_select or rotated copy per layer.
+
+    When :func:`hf_kvreuse.kernels.backend` picks Triton for ``src`` (``HF_KVREUSE_KERNELS``), the rotation runs
+    as one :func:`hf_kvreuse.kernels.rope_rebase` launch instead (same result up to float32 rounding)."""
     if delta == 0 or shifter is None:
         dst.copy_(src)
+    elif kernels.backend(src) == "triton":
+        kernels.rope_rebase(dst, src, delta, shifter)
     else:
         shifter.shift_into(dst, src, delta, chunk)
 
