@@ -252,3 +252,36 @@ print("ok")
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("method", ["optimistic", "blend", "epic", "tail"])
+def test_every_cache_same_tokens_on_triton_backend(monkeypatch, method):
+    """Each cache gives the torch backend's tokens with ``HF_KVREUSE_KERNELS=triton`` (interpreter), and its stats
+    say which backend ran (``kernels``). OptimisticCache swaps at step 3 in both runs (``ready`` held False), so
+    its tokens do not depend on when the background prefill finishes.
+
+    Planted bug that fails it: ``KVReuseCache.note_kernels`` is skipped (the stats keep ``"torch"``)."""
+    from hf_kvreuse import BlendCache, EPICCache, OptimisticCache, TailRecomputeCache, output_cache
+    from hf_kvreuse.generation.background import BackgroundPrefill
+
+    from conftest import agent_prompts
+
+    model = enable(tiny_model("llama"))
+    monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: False)
+    ids_a, ids_b = agent_prompts(4)
+    out_a = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    ids, spans = rag_prompt(2)
+    make = {
+        "optimistic": lambda: (ids_b, OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences,
+                                                      max_optimistic_tokens=3)),
+        "blend": lambda: (ids, BlendCache(model, ids, spans, recompute_ratio=0.3)),
+        "epic": lambda: (ids, EPICCache(model, ids, spans)),
+        "tail": lambda: (ids, TailRecomputeCache(model, ids, spans)),
+    }[method]
+    runs = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("HF_KVREUSE_KERNELS", name)
+        prompt, cache = make()
+        runs[name] = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False), cache.stats.kernels
+    assert runs["torch"][1] == "torch" and runs["triton"][1] == "triton"
+    assert torch.equal(runs["triton"][0], runs["torch"][0])

@@ -78,12 +78,21 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
             raise RuntimeError(f"this {name} is already in use by a running generate call")
         self.check_call(model, input_ids, generate_kwargs)
         self._check_pad_tokens(model, input_ids, generate_kwargs)
+        self.note_kernels(input_ids)
         if self.input_ids is None:
             self.set_target(input_ids)
         elif not torch.equal(input_ids.to(self.input_ids.device), self.input_ids):
             raise ValueError(f"generate was called with different input_ids than the {name} was built for "
                              "(pass the full prompt, not only a suffix)")
         self.phase = "active"
+
+    def note_kernels(self, input_ids: torch.Tensor) -> None:
+        """Record in ``stats.kernels`` which backend (torch or triton, see :mod:`hf_kvreuse.kernels`) this call's
+        hot paths run on; a forced backend that cannot run raises here, before any work."""
+        from ..kernels import backend_name
+
+        if hasattr(self.stats, "kernels"):
+            self.stats.kernels = backend_name(input_ids.device)
 
     def _check_pad_tokens(self, model, input_ids, generate_kwargs: dict) -> None:
         """Without a mask, generate treats pad tokens in the prompt as padding (unless the pad id is also an eos

@@ -67,6 +67,7 @@ class TurnStats:
 @dataclass
 class BaseLRStats:
     turns: list[TurnStats] = field(default_factory=list)
+    kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
 
     @property
     def last(self) -> TurnStats | None:
@@ -190,6 +191,7 @@ class BaseLRCache(KVReuseCache):
         if self.phase == "active":
             raise RuntimeError("this BaseLRCache is already in use by a running generate call")
         self.check_call(model, input_ids, generate_kwargs)
+        self.note_kernels(input_ids)
         self.phase = "active"
 
     def end_generate(self, sequences, error) -> None:

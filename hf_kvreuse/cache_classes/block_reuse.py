@@ -33,6 +33,7 @@ class BlockReuseStats:
     store_hits: int = 0
     store_misses: int = 0
     assemble_s: float | None = None
+    kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
 
     def as_dict(self) -> dict:
         return asdict(self)

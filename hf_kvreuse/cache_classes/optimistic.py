@@ -57,6 +57,7 @@ class OptimisticStats:
     new_tokens: int = 0                     # prompt tokens prefilled in the foreground
     generated_tokens: int = 0
     exact: bool = False                     # the cache now holds exact K/V for every token
+    kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -46,6 +46,7 @@ class TranslatedStats:
     select_s: float = 0.0
     recompute_s: float = 0.0
     assemble_s: float = 0.0         # everything before the target's first decoding forward
+    kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
 
     def as_dict(self) -> dict:
         return asdict(self)
