@@ -244,7 +244,7 @@ class ReuseSession:
             method = "prefix" if prefix else "full"  # nothing held to reuse
         stats.method = method
 
-        cache, used = self._build(method, ids, entries, al, prefix, prefix_key, stats, set(trusted))
+        cache, used = self._build(method, ids, entries, al, prefix, prefix_key, stats, set(trusted), producer)
         out = self._timed_generate(ids, cache, kwargs, stats)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
@@ -298,7 +298,7 @@ class ReuseSession:
 
     # -- one cache per method --------------------------------------------------------------------------------
     def _build(self, method: str, ids, entries, al: Alignment | None, prefix: int, prefix_key, stats,
-               trusted: set):
+               trusted: set, producer: str):
         """The cache ``generate`` runs with, and the keys of the held caches it reads."""
         from .generation.mixin import enable
 
@@ -340,17 +340,16 @@ class ReuseSession:
             exact = [d in trusted for d in donors]
             return OptimisticCache(self.model, ids, caches, dids, donor_exact=exact,
                                    **{"min_span": self.min_span, **kw}), used
-        return self._block_cache(method, ids, entries, al, kw), used
+        return self._block_cache(method, ids, entries, al, kw, producer), used
 
-    def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict):
+    def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict, producer: str):
         """A block-reuse cache whose blocks are the aligned spans, each with the K/V of its earlier call."""
         from .cache_classes import BlendCache, DirectReuseCache, EPICCache, LatentRemedyCache, TailRecomputeCache
-        from .chunk_store import ChunkStore, KVChunk, model_fingerprint
+        from .chunk_store import ChunkStore, KVChunk
 
         cls = {"direct": DirectReuseCache, "blend": BlendCache, "epic": EPICCache, "tail": TailRecomputeCache,
                "latent": LatentRemedyCache}[method]
         store = ChunkStore(max_bytes=1 << 62)  # views of held rows, for this call only
-        producer = model_fingerprint(self.model)
         blocks, prefixes = [], []
         for sp in al.spans:
             e = entries[sp.donor][1]
