@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-MODELS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
+from .models.loaders import MODEL_KEYS as MODELS
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -44,14 +44,9 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def load(name: str, dtype: str):
-    from .models import load_qwen, load_smollm2
+    from .models import load_by_key
 
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    if name == "smollm2":
-        return load_smollm2(dtype=dt)
-    if name.startswith("qwen2.5-"):
-        return load_qwen(name.split("-")[1], dtype=dt)
-    raise ValueError(f"--model {name!r}: choose one of {MODELS}")
+    return load_by_key(name, dtype)
 
 
 def questions(tok, n: int, context_tokens: int, seed: int = 0):

@@ -1,11 +1,17 @@
-"""Train the plan / act / reflect LoRA role adapters for SmolLM2-135M-Instruct on CPU, evaluate, save.
+"""Train the plan / act / reflect LoRA role adapters for an offline model on CPU, evaluate, save.
 
-Each adapter (rank 8, ``v_proj`` only, the PReCache setting) is trained alone on its role's target tokens of the
+Each adapter (rank 8, ``v_proj`` only, the PReCache setting; ``--targets k_proj v_proj`` adds key adapters) is
+trained alone on its role's target tokens of the
 ReAct episodes of :mod:`hf_kvreuse.workflows.react`, over SQuAD items outside the held-out articles. The evaluation then
 scores the base model and each adapter on all three skills on held-out items, with greedy decoding.
 
-    .venv/bin/python scripts/train_role_adapters.py            # train (~10 min on 2 CPU cores), eval, save
+    .venv/bin/python scripts/train_role_adapters.py            # SmolLM2: train (~10 min on 2 CPU cores), eval, save
     .venv/bin/python scripts/train_role_adapters.py --eval-only  # re-evaluate the shipped adapters
+    .venv/bin/python scripts/train_role_adapters.py --model qwen2.5-0.5b --steps 60 100 100 --eval-diagonal
+    .venv/bin/python scripts/train_role_adapters.py --model qwen2.5-0.5b --targets k_proj v_proj ...
+
+The base model's weights stay frozen in their loading dtype (bf16 for Qwen: the fast CPU dtype); peft keeps the
+LoRA factors in float32. Adapters go to ``hf_kvreuse.workflows.react.role_adapters_dir(model, targets)``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_kvreuse.models import load_smollm2  # noqa: E402
+from hf_kvreuse.models.loaders import MODEL_KEYS, MODEL_NAMES, load_by_key  # noqa: E402
 from hf_kvreuse.workflows import react  # noqa: E402
 from hf_kvreuse.workflows.datasets import SquadItem, squad  # noqa: E402
 
@@ -83,8 +89,9 @@ def train_role(pm, tok, role: str, train: list[SquadItem], items: list[SquadItem
 
 
 def evaluate(pm, tok, items: list[SquadItem], heldout: list[SquadItem], n_items: int, n_passages: int,
-             seed: int) -> dict:
-    """Skill accuracy (and well-formed-output rate) of the base model and each adapter on held-out items."""
+             seed: int, diagonal: bool = False) -> dict:
+    """Skill accuracy (and well-formed-output rate) of the base model and each adapter on held-out items
+    (``diagonal``: each adapter on its own skill only, the base model on all three)."""
     rng = random.Random(f"{seed}-eval")
     chosen = rng.sample(heldout, min(n_items, len(heldout)))
     cases = []
@@ -106,6 +113,8 @@ def evaluate(pm, tok, items: list[SquadItem], heldout: list[SquadItem], n_items:
         t0 = time.perf_counter()
         row = {}
         for skill, (prompt_of, check, valid) in checks.items():
+            if diagonal and variant not in ("base", skill):
+                continue
             gens = []
             for item, passages, cand, right in cases:
                 prompt = prompt_of(item, passages, cand)
@@ -121,8 +130,8 @@ def evaluate(pm, tok, items: list[SquadItem], heldout: list[SquadItem], n_items:
             row[f"{skill}_samples"] = [g for g, _, _ in gens[:3]]
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows[variant] = row
-        print(f"  eval {variant}: plan {row['plan']}% act {row['act']}% reflect {row['reflect']}% "
-              f"({row['seconds']} s)", flush=True)
+        print(f"  eval {variant}: " + " ".join(f"{k} {row[k]}%" for k in checks if k in row)
+              + f" ({row['seconds']} s)", flush=True)
     return dict(n_items=len(cases), n_passages=n_passages,
                 plan_ceiling_named_topic=round(100 * sum(react.names_topic(c[0]) for c in cases) / len(cases), 1),
                 rows=rows)
@@ -130,7 +139,9 @@ def evaluate(pm, tok, items: list[SquadItem], heldout: list[SquadItem], n_items:
 
 def table(rows: dict) -> str:
     lines = ["| variant | plan % | act % | reflect % |", "|---|---|---|---|"]
-    return "\n".join(lines + [f"| {v} | {r['plan']} | {r['act']} | {r['reflect']} |" for v, r in rows.items()])
+    cell = lambda r, k: str(r[k]) if k in r else "-"  # noqa: E731  (diagonal evaluation leaves cells out)
+    return "\n".join(lines + [f"| {v} | {cell(r, 'plan')} | {cell(r, 'act')} | {cell(r, 'reflect')} |"
+                               for v, r in rows.items()])
 
 
 def write_readme(save_dir: Path, result: dict) -> None:
@@ -138,18 +149,24 @@ def write_readme(save_dir: Path, result: dict) -> None:
     tr, ev = result["train"], result["eval"]
     steps = ", ".join(f"{r} {tr[r]['steps']} steps / lr {tr[r]['lr']} / {tr[r]['seconds']} s / loss "
                       f"{tr[r]['loss_first25']} -> {tr[r]['loss_last25']}" for r in react.ROLES)
-    text = f"""# ReAct role adapters for SmolLM2-135M-Instruct
+    targets = result["lora"]["target_modules"]
+    where = ("**`v_proj` only**, the PReCache setting: K stays adapter-free, V = V_base + 2·(X·A)·B"
+             if targets == ["v_proj"] else f"on **{' and '.join(f'`{t}`' for t in targets)}** (the PReCache "
+             "variant with key adapters: their key terms are re-rotated by the cache)")
+    loader = ("hf_kvreuse.models.load_smollm2()[0]" if result["model_key"] == "smollm2"
+              else f"hf_kvreuse.models.load_by_key({result['model_key']!r})[0]")
+    plan_valid = ev["rows"]["plan"].get("plan_valid", "-")
+    text = f"""# ReAct role adapters for {result['model']}
 
-Three LoRA adapters, `plan/`, `act/`, `reflect/` (rank 8, alpha 16, **`v_proj` only**, the PReCache setting:
-K stays adapter-free, V = V_base + 2·(X·A)·B), for the plain-text ReAct scratchpad of
+Three LoRA adapters, `plan/`, `act/`, `reflect/` (rank 8, alpha 16, {where}), for the plain-text ReAct scratchpad of
 `hf_kvreuse/workflows/react.py`: plan writes `Thought: ...` + `Action: Retrieve[<article title>]` after the question,
 act writes the answer after `Action: Finish[`, reflect writes `Reflect[right]` / `Reflect[wrong]` after the Finish line.
 
-Load: `pm = hf_kvreuse.workflows.react.load_role_adapters(hf_kvreuse.models.load_smollm2()[0])`,
+Load: `pm = hf_kvreuse.workflows.react.load_role_adapters({loader}, "{result['save_dir']}")`,
 then `pm.set_adapter("act")`.
 
 **Made by** `{result['command']}` (`scripts/train_role_adapters.py`, seed {result['seed']},
-{result['torch_threads']} torch threads, CPU, fp32) in {result['train_seconds_total']} s of training in all
+{result['torch_threads']} torch threads, CPU, base weights {result['dtype']}, LoRA float32) in {result['train_seconds_total']} s of training in all
 (1-min load average at start: {result['load_avg_1min_start']:.1f}).
 
 **Data**: SQuAD v1.1 dev items of `hf_kvreuse.workflows.datasets.squad()` (offline). {result['n_train_items']} items
@@ -167,8 +184,8 @@ are the model variant, columns the skill checks of `react.check_plan/check_act/c
 
 Plan can name an unseen article only when the question names it: that holds for
 {ev['plan_ceiling_named_topic']} % of these questions, so plan's skill is capped near that figure (its
-`Retrieve[...]` format is right on {ev['rows']['plan']['plan_valid']} %). Full figures and sample outputs:
-`benchmarks/results/role_adapters.json`.
+`Retrieve[...]` format is right on {plan_valid} %). Full figures and sample outputs:
+`{result['out']}`.
 """
     (save_dir / "README.md").write_text(text)
 
@@ -182,18 +199,36 @@ def main() -> None:
                     "oversubscribed OpenMP threads run 3-10x slower)")
     ap.add_argument("--eval-items", type=int, default=30)
     ap.add_argument("--eval-passages", type=int, default=2)
-    ap.add_argument("--save-dir", type=Path, default=react.ROLE_ADAPTERS_DIR)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "role_adapters.json")
+    ap.add_argument("--model", choices=MODEL_KEYS, default="smollm2")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                    help="base weights' dtype (default: fp32 for SmolLM2, bf16 for Qwen)")
+    ap.add_argument("--targets", nargs="+", default=["v_proj"], choices=["k_proj", "v_proj"],
+                    help="LoRA target modules (v_proj: PReCache's setting)")
+    ap.add_argument("--eval-diagonal", action="store_true",
+                    help="evaluate each adapter on its own skill only (the base model on all three)")
+    ap.add_argument("--save-dir", type=Path, default=None, help="default: react.role_adapters_dir(model, targets)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: benchmarks/results/role_adapters[_<model>][_kv].json")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the adapters in --save-dir, no training")
     args = ap.parse_args()
+    if args.save_dir is None:
+        args.save_dir = react.role_adapters_dir(args.model, args.targets)
+    if args.out is None:
+        tag = ("" if args.model == "smollm2" else "_" + args.model) + ("_kv" if "k_proj" in args.targets else "")
+        args.out = ROOT / "benchmarks" / "results" / f"role_adapters{tag}.json"
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tok = load_smollm2()
+    model, tok = load_by_key(args.model, args.dtype)
     items = squad()
     train, heldout = react.split_items(items)
-    result: dict = dict(command=" ".join(["python"] + sys.argv), model="SmolLM2-135M-Instruct fp32", seed=args.seed,
-                        lora=dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj"]),
+    result: dict = dict(command=" ".join(["python"] + sys.argv), model_key=args.model,
+                        model=MODEL_NAMES[args.model],
+                        dtype=str(model.dtype).replace("torch.", ""), seed=args.seed,
+                        save_dir=str(args.save_dir.relative_to(ROOT)) if args.save_dir.is_relative_to(ROOT)
+                        else str(args.save_dir),
+                        out=str(args.out.relative_to(ROOT)) if args.out.is_relative_to(ROOT) else str(args.out),
+                        lora=dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=sorted(args.targets)),
                         n_train_items=len(train), eval_titles=list(react.EVAL_TITLES),
                         torch_threads=torch.get_num_threads(),
                         # Timings are only comparable on an otherwise idle machine; record the load to tell.
@@ -203,9 +238,9 @@ def main() -> None:
     else:
         from peft import get_peft_model
 
-        pm = get_peft_model(model, react.role_lora_config(), adapter_name=react.ROLES[0])
+        pm = get_peft_model(model, react.role_lora_config(args.targets), adapter_name=react.ROLES[0])
         for role in react.ROLES[1:]:
-            pm.add_adapter(role, react.role_lora_config())
+            pm.add_adapter(role, react.role_lora_config(args.targets))
         result["train"], t0 = {}, time.perf_counter()
         for role, steps, lr in zip(react.ROLES, args.steps, args.lr):
             print(f"training {role}: {steps} steps, lr {lr}", flush=True)
@@ -215,7 +250,8 @@ def main() -> None:
         pm.save_pretrained(args.save_dir)
         print(f"saved to {args.save_dir}")
     t0 = time.perf_counter()
-    result["eval"] = evaluate(pm, tok, items, heldout, args.eval_items, args.eval_passages, args.seed)
+    result["eval"] = evaluate(pm, tok, items, heldout, args.eval_items, args.eval_passages, args.seed,
+                              args.eval_diagonal)
     result["eval_seconds"] = round(time.perf_counter() - t0, 1)
     result["load_avg_1min_end"] = os.getloadavg()[0]
 

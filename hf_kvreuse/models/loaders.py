@@ -181,6 +181,30 @@ def load_qwen(size: str = "0.5b", dtype: torch.dtype = torch.bfloat16, device: s
     return load_offline(size, dtype, device, attn_implementation)
 
 
+MODEL_KEYS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
+"""Short names of the offline models (``hf-kvreuse bench --model``, ``benchmarks/base_lr.py --model``)."""
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
+               "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
+
+
+def load_by_key(key: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+                attn_implementation: str = "sdpa"):
+    """Load an offline model by its short name (:data:`MODEL_KEYS`). Returns ``(model, tokenizer)``.
+
+    ``dtype``: a torch dtype, ``"bf16"`` / ``"fp32"``, or None for the model's CPU default (SmolLM2 float32, the
+    exactness reference; Qwen bfloat16, the fast CPU dtype).
+    """
+    if isinstance(dtype, str):
+        if dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype {dtype!r}: choose 'bf16' or 'fp32'")
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    if key == "smollm2":
+        return load_smollm2(dtype or torch.float32, device, attn_implementation)
+    if key in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        return load_qwen(key.split("-")[1], dtype or torch.bfloat16, device, attn_implementation)
+    raise ValueError(f"unknown model {key!r}: choose one of {', '.join(MODEL_KEYS)}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny random-init models for exact unit tests.
 

@@ -39,7 +39,8 @@ ACT_THOUGHT = "Thought: The observation contains the answer.\n"
 # script agree; 128 of the 1000 SQuAD items.
 EVAL_TITLES = ("Chloroplast", "Force", "Imperialism", "Normans", "Sky_(United_Kingdom)",
                "Victoria_and_Albert_Museum")
-ROLE_ADAPTERS_DIR = Path(__file__).parent.parent / "adapters" / "smollm2_roles"
+ADAPTERS_ROOT = Path(__file__).parent.parent / "adapters"
+ROLE_ADAPTERS_DIR = ADAPTERS_ROOT / "smollm2_roles"
 # Generation budgets per role: enough for the longest target (plan: ~30 tokens for the longest title).
 MAX_NEW_TOKENS = {"plan": 40, "act": 24, "reflect": 12}
 
@@ -214,12 +215,23 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 24, stop: str 
     return tokenizer.decode(out)
 
 
-def role_lora_config():
-    """The PReCache role-adapter LoRA: rank 8, alpha 16, on ``v_proj`` only (K stays adapter-free)."""
+def role_lora_config(targets: Sequence[str] = ("v_proj",)):
+    """The PReCache role-adapter LoRA: rank 8, alpha 16, on ``v_proj`` only by default (K stays adapter-free);
+    ``targets=("k_proj", "v_proj")`` is the variant with key adapters."""
     from ..compat import import_peft
 
-    return import_peft().LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj"],
+    return import_peft().LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=sorted(targets),
                                     task_type="CAUSAL_LM")
+
+
+def role_adapters_dir(model: str = "smollm2", targets: Sequence[str] = ("v_proj",)) -> Path:
+    """Folder of the shipped role adapters of ``model`` (a key of :data:`hf_kvreuse.models.MODEL_KEYS`) trained on
+    ``targets``: ``adapters/<model>_roles`` for ``v_proj``, ``adapters/<model>_roles_kv`` for ``k_proj + v_proj``."""
+    targets = tuple(sorted(targets))
+    suffix = {("v_proj",): "", ("k_proj", "v_proj"): "_kv"}.get(targets)
+    if suffix is None:
+        raise ValueError(f"role adapters are trained on v_proj or k_proj + v_proj, not {list(targets)}")
+    return ADAPTERS_ROOT / f"{model.replace('-', '_').replace('.', '')}_roles{suffix}"
 
 
 def load_role_adapters(model, path: str | Path | None = None):
@@ -227,22 +239,55 @@ def load_role_adapters(model, path: str | Path | None = None):
 
     Parameters
     ----------
-    model : the base SmolLM2-135M-Instruct (``hf_kvreuse.models.load_smollm2()[0]``).
-    path : folder with one ``PeftModel.save_pretrained`` subfolder per role (default :data:`ROLE_ADAPTERS_DIR`).
+    model : the base model the adapters were trained for (SmolLM2-135M-Instruct for the default path,
+        ``hf_kvreuse.models.load_smollm2()[0]``).
+    path : folder with one ``PeftModel.save_pretrained`` subfolder per role (default :data:`ROLE_ADAPTERS_DIR`;
+        :func:`role_adapters_dir` gives the shipped folder of each model).
 
     Returns
     -------
     peft.PeftModel in eval mode with ``plan`` active; switch with ``set_adapter(role)``, use the base model with
     ``with pm.disable_adapter():``.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` has no adapter of some role.
+    ValueError
+        The adapters were trained for another base model (peft's ``base_model_name_or_path`` does not say so
+        reliably, so the hidden size, layer count and K/V width are compared with the adapter's shapes).
     """
     from ..compat import import_peft
 
     path = Path(path) if path is not None else ROLE_ADAPTERS_DIR
+    for role in ROLES:
+        if not (path / role / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no {role!r} adapter in {path} (expected {path / role}/adapter_config.json)")
+    _check_adapter_shapes(model, path / ROLES[0])
     pm = import_peft().PeftModel.from_pretrained(model, path / ROLES[0], adapter_name=ROLES[0])
     for role in ROLES[1:]:
         pm.load_adapter(path / role, adapter_name=role)
     pm.set_adapter(ROLES[0])
     return pm.eval()
+
+
+def _check_adapter_shapes(model, folder: Path) -> None:
+    """Refuse an adapter whose LoRA shapes do not fit ``model`` (peft would raise a size-mismatch deep inside)."""
+    from safetensors import safe_open
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_width = cfg.num_key_value_heads * head_dim
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        layers = {int(k.split(".layers.")[1].split(".")[0]) for k in keys if ".layers." in k}
+        shapes = {k: f.get_slice(k).get_shape() for k in keys}
+    a = next(v for k, v in shapes.items() if "lora_A" in k)
+    b = next(v for k, v in shapes.items() if "lora_B" in k and ("v_proj" in k or "k_proj" in k))
+    if a[1] != cfg.hidden_size or b[0] != kv_width or (layers and max(layers) >= cfg.num_hidden_layers):
+        raise ValueError(f"the adapters in {folder.parent} were trained for another model (LoRA in {a[1]}, out "
+                         f"{b[0]}, {max(layers) + 1 if layers else 0} layers); this {cfg.model_type} has hidden "
+                         f"{cfg.hidden_size}, K/V width {kv_width}, {cfg.num_hidden_layers} layers")
 
 
 def react_stop(tokenizer, prompt_len: int, stop: str = "]"):
