@@ -1,4 +1,5 @@
-"""PReCache benchmark: NonShared vs PreLRShared vs ReBaseShared on SmolLM2-135M with the shipped role adapters.
+"""PReCache benchmark: NonShared vs PreLRShared vs ReBaseShared with the shipped role adapters of SmolLM2-135M
+(fast smoke reading) or Qwen2.5-Coder-0.5B (a model that can do the task; 32k positions, so the full-size trace).
 
 Two parts, every variant side by side in one run (CPU machines drift; ratios are taken per repeat):
 
@@ -16,7 +17,12 @@ Two parts, every variant side by side in one run (CPU machines drift; ratios are
    turns are scored, then the canonical text continues), so only the cache method differs. Reported: each
    role's skill, act accuracy (gold answer contained) and agreement with ``nonshared``.
 
-    python benchmarks/base_lr.py [--scale 0.25] [--repeats 2] [--items 30] [--observation 1024]
+    python benchmarks/base_lr.py [--model smollm2] [--scale 0.25] [--repeats 2] [--items 30] [--observation 1024]
+    python benchmarks/base_lr.py --model qwen2.5-0.5b --items 100 --repeats 1       # full trace + n=100
+    python benchmarks/base_lr.py --model qwen2.5-0.5b --targets k_proj v_proj ...   # the key-adapter variant
+
+``--parts`` runs the efficiency trace, the accuracy episodes or both; ``--first`` / ``--items`` pick a slice of the
+held-out episodes (shards run in parallel, joined by ``--merge``).
 """
 
 from __future__ import annotations
@@ -33,14 +39,14 @@ import torch
 import transformers
 
 from hf_kvreuse import BaseLRCache
-from hf_kvreuse.models import load_smollm2
+from hf_kvreuse.models.loaders import MODEL_KEYS, MODEL_NAMES, load_by_key
 from hf_kvreuse.timing import PeakMemory, TokenTimer, now
 from hf_kvreuse.workflows import react
 from hf_kvreuse.workflows.datasets import passages_for, squad
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import markdown_table  # noqa: E402
+from common import markdown_table, wilson  # noqa: E402
 
 VARIANTS = [("nonshared", "after_turn"), ("prelrshared", "after_turn"), ("rebaseshared", "after_turn"),
             ("rebaseshared", "alongside")]
@@ -135,11 +141,22 @@ def efficiency(pm, tok, items, args) -> dict:
     return dict(trace=trace, rows=rows, runs=runs)
 
 
-def accuracy(pm, tok, items, args) -> dict:
+def heldout_episodes(items, n: int, first: int = 0) -> list[tuple[int, object]]:
+    """Held-out episodes ``first .. first + n - 1`` (index, item) of one fixed order that takes the held-out
+    articles in turn (round robin), so that any prefix or shard samples every article and shards never overlap."""
     _, held = react.split_items(items)
-    held = held[:: max(1, len(held) // args.items)][: args.items]
+    by_title: dict[str, list] = {}
+    for it in held:
+        by_title.setdefault(it.title, []).append(it)
+    queues = [by_title[t] for t in sorted(by_title)]
+    order = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+    return list(enumerate(order))[first: first + n]
+
+
+def accuracy(pm, tok, items, args) -> dict:
     results = {label(*v): [] for v in VARIANTS}
-    for i, item in enumerate(held):
+    episodes = heldout_episodes(items, args.items, args.first)
+    for i, item in episodes:
         passages = passages_for(items, item, tok, args.observation)
         act = react.act_example(item, passages)
         read_prompt = act.prompt[: act.prompt.rindex(react.ACT_THOUGHT)]
@@ -163,18 +180,33 @@ def accuracy(pm, tok, items, args) -> dict:
                        reflect_ok=react.check_reflect(verdict, react.is_right(answer, item)),
                        prompt_tokens=len(tok(act.prompt, add_special_tokens=False)["input_ids"]))
             results[label(method, schedule)].append(rec)
-        print(f"  item {i + 1}/{len(held)}: " + ", ".join(
+        print(f"  item {i + 1}/{args.first + len(episodes)}: " + ", ".join(
             f"{k}={r[-1]['answer']!r}" for k, r in results.items()), flush=True)
+    return dict(rows=accuracy_rows(results), items=results, observation_tokens=args.observation)
+
+
+def accuracy_rows(results: dict) -> list[dict]:
+    """Per variant: plan / act / reflect rates and agreement with nonshared's answer, with 95% Wilson intervals."""
     ref = results["nonshared"]
     rows = []
     for name, recs in results.items():
-        pct = lambda f: 100 * sum(f(r) for r in recs) / len(recs)  # noqa: E731
-        rows.append(dict(variant=name, n=len(recs), plan_pct=pct(lambda r: r["plan_ok"]),
-                         act_pct=pct(lambda r: r["act_ok"]), reflect_pct=pct(lambda r: r["reflect_ok"]),
-                         agree_pct=100 * sum(a["answer"] == b["answer"] for a, b in zip(recs, ref)) / len(recs),
-                         act_ttft_s=statistics.median(r["act_ttft_s"] for r in recs),
-                         reflect_ttft_s=statistics.median(r["reflect_ttft_s"] for r in recs)))
-    return dict(rows=rows, items=results, observation_tokens=args.observation)
+        n = len(recs)
+
+        def rate(f):
+            k = sum(bool(f(r)) for r in recs)
+            lo, hi = wilson(k, n)
+            return 100 * k / n, [100 * lo, 100 * hi]
+
+        row = dict(variant=name, n=n)
+        for key, f in (("plan", lambda r: r["plan_ok"]), ("act", lambda r: r["act_ok"]),
+                       ("reflect", lambda r: r["reflect_ok"])):
+            row[f"{key}_pct"], row[f"{key}_ci"] = rate(f)
+        agree = [a["answer"] == b["answer"] for a, b in zip(recs, ref)]
+        row["agree_pct"], row["agree_ci"] = rate(lambda r, it=iter(agree): next(it))
+        row["act_ttft_s"] = statistics.median(r["act_ttft_s"] for r in recs)
+        row["reflect_ttft_s"] = statistics.median(r["reflect_ttft_s"] for r in recs)
+        rows.append(row)
+    return rows
 
 
 def plot(result: dict, path: Path) -> None:
@@ -184,15 +216,18 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r in result["efficiency"]["rows"]:
+    for r in (result.get("efficiency") or {}).get("rows", []):
         a.plot(range(len(r["per_turn_ttft_s"])), r["per_turn_ttft_s"], marker="o", label=r["variant"])
     a.set_yscale("log")
     a.set_xlabel("turn of the ReAct trace")
     a.set_ylabel("time to first token (s)")
-    a.set_xticks(range(len(result["efficiency"]["trace"])),
-                 [t[0][0] for t in result["efficiency"]["trace"]])
-    a.legend()
-    a.set_title(f"react_17.3k shape x{result['args']['scale']} (SmolLM2-135M, CPU)")
+    if result.get("efficiency"):
+        a.set_xticks(range(len(result["efficiency"]["trace"])),
+                     [t[0][0] for t in result["efficiency"]["trace"]])
+        a.legend()
+    a.set_title(f"react_17.3k shape x{result['args']['scale']} ({MODEL_NAMES[result['args']['model']]}, CPU)")
+    if not result.get("efficiency"):
+        a.set_visible(False)
     if result.get("accuracy"):
         rows = result["accuracy"]["rows"]
         keys = [("plan_pct", "plan skill"), ("act_pct", "act accuracy"), ("reflect_pct", "reflect skill"),
@@ -210,52 +245,101 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scale", type=float, default=0.25, help="multiplies the trace's long prefills")
+    ap.add_argument("--model", choices=MODEL_KEYS[:2], default="smollm2")
+    ap.add_argument("--targets", nargs="+", default=["v_proj"], choices=["k_proj", "v_proj"],
+                    help="which shipped role adapters (v_proj: PReCache's setting; k_proj v_proj: with key LoRA)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="multiplies the trace's long prefills (default: 0.25 for SmolLM2, 1.0 for Qwen)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--parts", choices=["both", "efficiency", "accuracy"], default="both")
     ap.add_argument("--items", type=int, default=30, help="held-out QA episodes for accuracy (0: skip)")
+    ap.add_argument("--first", type=int, default=0, help="skip this many held-out episodes (shards)")
     ap.add_argument("--observation", type=int, default=1024, help="observation tokens per episode")
-    ap.add_argument("--adapters", type=Path, default=None, help="role adapter folder (default: the shipped ones)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--adapters", type=Path, default=None,
+                    help="role adapter folder (default: the shipped ones of --model / --targets)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--tag", default=None, help="output name base_lr[_<model>][_kv][_<tag>].json")
+    ap.add_argument("--merge", type=Path, nargs="+", help="join the accuracy of these shard JSONs and stop")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
+    if args.scale is None:
+        args.scale = 0.25 if args.model == "smollm2" else 1.0
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tok = load_smollm2()
-    pm = react.load_role_adapters(model, args.adapters)
+    model, tok = load_by_key(args.model)
+    pm = react.load_role_adapters(model, args.adapters or react.role_adapters_dir(args.model, args.targets))
     items = squad()
     t0 = time.time()
-    print("efficiency: react_17.3k-shaped trace", flush=True)
-    eff = efficiency(pm, tok, items, args)
-    acc = accuracy(pm, tok, items, args) if args.items else None
+    eff = acc = None
+    if args.parts in ("both", "efficiency"):
+        print("efficiency: react_17.3k-shaped trace", flush=True)
+        eff = efficiency(pm, tok, items, args)
+    if args.parts in ("both", "accuracy") and args.items:
+        acc = accuracy(pm, tok, items, args)
     result = dict(args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  command=" ".join(["python"] + sys.argv), model=MODEL_NAMES[args.model],
                   env=dict(torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
-                           cpus=os.cpu_count(), device="cpu"),
+                           cpus=os.cpu_count(), device="cpu", dtype=str(model.dtype)),
                   efficiency=eff, accuracy=acc, wall_s=time.time() - t0)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "base_lr.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "base_lr.png")
-    print()
-    print(markdown_table(eff["rows"], [
-        ("variant", lambda r: r["variant"]), ("prefilled tokens", lambda r: str(r["prefill_tokens"])),
-        ("sum TTFT", lambda r: f"{r['sum_ttft_s']:.2f} s"),
-        ("TTFT speed-up", lambda r: f"{r['ttft_speedup']:.2f}x"),
-        ("mean per-turn TTFT speed-up", lambda r: f"{r['mean_turn_ttft_speedup']:.2f}x"),
-        ("throughput", lambda r: f"{r['throughput_tok_s']:.1f} tok/s ({r['throughput_gain']:.2f}x)"),
-        ("rebuild", lambda r: f"{r['rebase_s']:.2f} s"),
-        ("K/V", lambda r: f"{r['kv_mb']:.1f} MiB"),
-        ("peak turn mem", lambda r: f"{r['peak_turn_mem_mib']:.0f} MiB" if "peak_turn_mem_mib" in r else "-"),
-        ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-"),
-        ("LR per extra agent", lambda r: "-" if r["lr_per_agent_pct"] is None else f"{r['lr_per_agent_pct']:.1f}%"),
-    ]))
+    name = "base_lr" + ("" if args.model == "smollm2" else "_" + args.model) + \
+        ("_kv" if "k_proj" in args.targets else "") + (f"_{args.tag}" if args.tag else "")
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{name}.png")
+    print_tables(eff, acc)
+    print(f"\nwrote {args.out / name}.json and .png in {time.time() - t0:.0f} s")
+
+
+def merge(args) -> None:
+    """Join the accuracy records of shard JSONs (same model and adapters) into one result."""
+    parts = [json.loads(p.read_text()) for p in args.merge]
+    results: dict = {}
+    for p in parts:
+        for name, recs in p["accuracy"]["items"].items():
+            results.setdefault(name, []).extend(recs)
+    acc = dict(rows=accuracy_rows(results), items=results, observation_tokens=parts[0]["accuracy"]["observation_tokens"],
+               shards=[str(p) for p in args.merge])
+    eff = next((p["efficiency"] for p in parts if p.get("efficiency")), None)
+    result = dict(parts[0], accuracy=acc, efficiency=eff, merged_from=[str(p) for p in args.merge])
+    out = args.out / (args.tag or "base_lr_merged")
+    out = out.with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print_tables(eff, acc)
+    print(f"\nwrote {out}")
+
+
+def print_tables(eff, acc) -> None:
+    if eff:
+        print()
+        print(markdown_table(eff["rows"], [
+            ("variant", lambda r: r["variant"]), ("prefilled tokens", lambda r: str(r["prefill_tokens"])),
+            ("sum TTFT", lambda r: f"{r['sum_ttft_s']:.2f} s"),
+            ("TTFT speed-up", lambda r: f"{r['ttft_speedup']:.2f}x"),
+            ("mean per-turn TTFT speed-up", lambda r: f"{r['mean_turn_ttft_speedup']:.2f}x"),
+            ("throughput", lambda r: f"{r['throughput_tok_s']:.1f} tok/s ({r['throughput_gain']:.2f}x)"),
+            ("rebuild", lambda r: f"{r['rebase_s']:.2f} s"),
+            ("K/V", lambda r: f"{r['kv_mb']:.1f} MiB"),
+            ("peak turn mem", lambda r: f"{r['peak_turn_mem_mib']:.0f} MiB" if "peak_turn_mem_mib" in r else "-"),
+            ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-"),
+            ("LR per extra agent",
+             lambda r: "-" if r["lr_per_agent_pct"] is None else f"{r['lr_per_agent_pct']:.1f}%"),
+        ]))
     if acc:
+        ci = lambda r, k: f"{r[k + '_pct']:.1f}% [{r[k + '_ci'][0]:.0f}, {r[k + '_ci'][1]:.0f}]"  # noqa: E731
         print()
         print(markdown_table(acc["rows"], [
             ("variant", lambda r: r["variant"]), ("n", lambda r: str(r["n"])),
-            ("plan skill", lambda r: f"{r['plan_pct']:.1f}%"), ("act accuracy", lambda r: f"{r['act_pct']:.1f}%"),
-            ("reflect skill", lambda r: f"{r['reflect_pct']:.1f}%"),
-            ("answer = nonshared", lambda r: f"{r['agree_pct']:.1f}%"),
+            ("plan skill", lambda r: ci(r, "plan")), ("act accuracy", lambda r: ci(r, "act")),
+            ("reflect skill", lambda r: ci(r, "reflect")),
+            ("answer = nonshared", lambda r: ci(r, "agree")),
             ("act TTFT", lambda r: f"{r['act_ttft_s'] * 1000:.0f} ms"),
             ("reflect TTFT", lambda r: f"{r['reflect_ttft_s'] * 1000:.0f} ms"),
         ]))
-    print(f"\nwrote {args.out / 'base_lr.json'} and {args.out / 'base_lr.png'} in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -39,3 +39,12 @@ def test_base_lr_benchmark_smoke(tmp_path):
     assert set(rows) == {"nonshared", "prelrshared", "rebaseshared/after_turn", "rebaseshared/alongside"}
     assert rows["prelrshared"]["prefill_tokens"] < rows["nonshared"]["prefill_tokens"]
     assert (tmp_path / "base_lr.png").exists() and len(res["accuracy"]["rows"]) == 4
+    assert {"act_ci", "agree_ci"} <= set(res["accuracy"]["rows"][0])
+    # shards join: the same shard twice gives n = 2 with the same rates
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_lr.py"), "--merge",
+                           str(tmp_path / "base_lr.json"), str(tmp_path / "base_lr.json"), "--out", str(tmp_path),
+                           "--tag", "joined"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    joined = json.loads((tmp_path / "joined.json").read_text())["accuracy"]["rows"]
+    assert [r["n"] for r in joined] == [2] * 4
+    assert [r["act_pct"] for r in joined] == [r["act_pct"] for r in res["accuracy"]["rows"]]
