@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_kvreuse import enable, kernels  # noqa: E402
+from hf_kvreuse import enable  # noqa: E402
 from hf_kvreuse.kv import kv_of, scatter_kv, slice_kv  # noqa: E402
 from hf_kvreuse.models import tiny_model  # noqa: E402
 from hf_kvreuse.models.arch_zoo import rag_prompt  # noqa: E402
