@@ -116,9 +116,9 @@ def test_blend_selects_same_rows_on_triton_backend(monkeypatch):
     kernel (counted) and selects the torch backend's rows (their deviations are checked clear of a near-tie at the
     cut), giving the same tokens, close logits and close K/V.
 
-    Planted bug that fails it: ``BlendCache.recompute`` measures the deviation on the wrong layer's tensors
-    (``kernels.deviation_topk(old, old, ...)``: all zero on both backends, so the torch oracle check fails first;
-    or ``kernels.deviation_topk`` never dispatches to triton: no launch counted)."""
+    Planted bugs that fail it: ``kernels.deviation_topk`` never dispatches to triton (``use_triton=False``: no
+    launch counted); ``BlendCache.recompute`` compares ``old`` with itself (``kernels.deviation_topk(old, old,
+    ...)``: all-zero deviations, a tie at the cut)."""
     model = enable(tiny_model("llama"))
     ids, spans = rag_prompt(3)
     launches, cuts = [], []

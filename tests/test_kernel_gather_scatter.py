@@ -183,8 +183,8 @@ def test_partial_recompute_same_on_triton_backend(monkeypatch, method):
     (plus its deviation selection) give the torch backend's tokens, close logits and close K/V with
     ``HF_KVREUSE_KERNELS=triton``, and the scatter kernel does run (counted).
 
-    Planted bug that fails it: ``_ScatterCache.update`` scatters ``key_states`` into V as well
-    (``kernels.scatter_kv_rows(k, v, rows, ks, ks)``): the recomputed rows' values are wrong on the triton path."""
+    Planted bug that fails it: the triton branch of ``kernels.scatter_kv_rows`` writes the key rows into V as well
+    (``gs.scatter_kv_rows_triton(dk, dv, rows, sk, sk, ...)``)."""
     from hf_kvreuse import BlendCache, EPICCache, OptimisticCache, output_cache
     from hf_kvreuse.generation.background import BackgroundPrefill
 
