@@ -93,3 +93,61 @@ def rope_rebase(dst: torch.Tensor, src: torch.Tensor, delta: int | torch.Tensor,
         rope_rebase_triton(dst, src, delta, shifter)
     else:
         rope_rebase_torch(dst, src, delta, shifter)
+
+
+# --- row gather / scatter and token deviation (issue 11: hf_kvreuse.triton.gather_scatter, .deviation) ---
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _backend_all(*tensors: torch.Tensor) -> str:
+    """:func:`backend` of the first tensor; under ``auto`` torch as soon as any of them has a dtype the kernels do
+    not support (an explicit ``triton`` lets the kernel raise instead)."""
+    name = backend(tensors[0])
+    if name == "triton" and mode() == "auto" and any(t.dtype not in _KERNEL_DTYPES for t in tensors):
+        return "torch"
+    return name
+
+
+def gather_kv_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k.index_select(-2, rows), v.index_select(-2, rows))``, through the backend :func:`backend` picks for
+    ``k`` (Triton: K and V in one launch); see :mod:`hf_kvreuse.triton.gather_scatter`."""
+    from .triton import gather_scatter as gs
+
+    if _backend_all(k, v) == "triton":
+        return gs.gather_kv_rows_triton(k, v, rows)
+    return gs.gather_kv_rows_torch(k, v, rows)
+
+
+def scatter_kv_rows(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
+                    check: bool = True) -> None:
+    """In place ``dk.index_copy_(-2, rows, sk.to(dk.dtype))`` and the same for V, through the backend
+    :func:`backend` picks for ``dk`` (Triton: K and V in one launch, cast on store; ``check=False`` skips its
+    host-synchronising range check of ``rows`` when the caller has done it); see
+    :mod:`hf_kvreuse.triton.gather_scatter`."""
+    from .triton import gather_scatter as gs
+
+    if _backend_all(dk, dv, sk, sv) == "triton":
+        gs.scatter_kv_rows_triton(dk, dv, rows, sk, sv, check=check)
+    else:
+        gs.scatter_kv_rows_torch(dk, dv, rows, sk, sv)
+
+
+def token_deviation(new: torch.Tensor, old: torch.Tensor, upcast: bool = False,
+                    norm: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``sum_{b,h,d} (new - old)^2`` in float32 ``[T]`` (and ``sum new^2`` with ``norm=True``), through
+    the backend :func:`backend` picks for ``new``; see :mod:`hf_kvreuse.triton.deviation`."""
+    from .triton import deviation as dv
+
+    if _backend_all(new, old) == "triton":
+        return dv.token_deviation_triton(new, old, upcast=upcast, norm=norm)
+    return dv.token_deviation_torch(new, old, upcast=upcast, norm=norm)
+
+
+def deviation_topk(new: torch.Tensor, old: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """CacheBlend's selection: the ``k`` rows of ``candidates`` with the largest :func:`token_deviation`, the
+    deviation through the backend :func:`backend` picks for ``new``; see
+    :func:`hf_kvreuse.triton.deviation.deviation_topk`."""
+    from .triton import deviation as dv
+
+    return dv.deviation_topk(new, old, candidates, k, use_triton=_backend_all(new, old) == "triton")

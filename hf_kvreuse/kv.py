@@ -60,7 +60,7 @@ def slice_kv(cache: Cache | KV, idx: Index) -> KV:
         if isinstance(i, slice):
             out.append((k[..., i, :], v[..., i, :]))
         else:
-            out.append((k.index_select(-2, i), v.index_select(-2, i)))
+            out.append(kernels.gather_kv_rows(k, v, i))  # torch: index_select of each
     return out
 
 
@@ -78,8 +78,7 @@ def scatter_kv(dst: KV, idx: Index, src: KV) -> None:
         if isinstance(i, slice):
             dk[..., i, :], dv[..., i, :] = sk, sv
         else:
-            dk.index_copy_(-2, i, sk)
-            dv.index_copy_(-2, i, sv)
+            kernels.scatter_kv_rows(dk, dv, i, sk, sv)  # torch: index_copy_ of each
 
 
 def empty_kv(like: KV, length: int) -> KV:

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from .. import kernels
 from ..generation.partial import partial_forward
 from ..kv import KV
 from .block_reuse import BlockReuseCache
@@ -65,10 +66,11 @@ class BlendCache(BlockReuseCache):
         everything = torch.arange(covered, device=device)
         hidden = self._layer_pass(ids, everything, kv, range(0, c + 1))
         new = kv[c][1 if self.deviation == "values" else 0]
-        dev = ((new - old).float() ** 2).sum(dim=(0, 1, 3)).to(device)  # [covered]; layer c may sit elsewhere
         candidates = torch.nonzero(reused).flatten()
         n_pick = int(candidates.numel() * self.recompute_ratio)
-        picked = candidates[torch.topk(dev[candidates], n_pick).indices] if n_pick else candidates[:0]
+        # top-n_pick of sum_{b,h,d} (new - old)^2 among the reused rows (layer c may sit on another device; the
+        # Triton backend reads new and old once, no difference temporary)
+        picked = kernels.deviation_topk(new, old, candidates, n_pick)
         rows = torch.sort(torch.cat([fresh.to(device), picked])).values
         keep_old = torch.ones(covered, dtype=torch.bool, device=device)
         keep_old[rows] = False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from .. import kernels
 from ..compat import cache_kwargs
 from ..devices import PerDevice
 from ..kv import KV
@@ -33,6 +34,7 @@ class _ScatterCache(DynamicCache):
         super().__init__(config=config)
         self._kv, self._rows = kv, PerDevice(rows)  # layers of a device_map-split model live on several devices
         self.writes = [0] * len(kv)
+        self._unchecked = True
         if len(kv) != len(self.layers):
             raise ValueError(f"KV has {len(kv)} layers, the model {len(self.layers)}")
 
@@ -40,8 +42,11 @@ class _ScatterCache(DynamicCache):
         self.writes[layer_idx] += 1
         k, v = self._kv[layer_idx]
         rows = self._rows.on(k.device)
-        k.index_copy_(-2, rows, key_states.to(device=k.device, dtype=k.dtype))
-        v.index_copy_(-2, rows, value_states.to(device=v.device, dtype=v.dtype))
+        # torch: index_copy_ of each (after .to(k.dtype)); Triton: K and V in one launch, cast on store, its
+        # host-synchronising range check of the rows only on the first write (every layer holds the same N)
+        kernels.scatter_kv_rows(k, v, rows, key_states.to(device=k.device), value_states.to(device=v.device),
+                                check=self._unchecked)
+        self._unchecked = False
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..kv import KV
 
 
@@ -185,9 +186,9 @@ class FirstLayerDeviationScorer(Scorer):
         parts = {"keys": (0,), "values": (1,), "both": (0, 1)}[self.deviation]
         dev = torch.zeros(n, device=kv[0][0].device)
         for i in parts:
-            new = kv[c][i].float()
-            d = ((new - old[i].float()) ** 2).sum(dim=(0, 1, 3))
-            dev += d / (new * new).sum(dim=(0, 1, 3)).mean().clamp_min(1e-30)
+            # sum_{b,h,d} of (new - old)^2 and of new^2 per position, in float32 (Triton: one pass, no upcast copies)
+            d, sq = kernels.token_deviation(kv[c][i], old[i], upcast=True, norm=True)
+            dev += d / sq.mean().clamp_min(1e-30)
         cache.exact_layers = c + 1
         return dev
 
