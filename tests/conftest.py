@@ -1,8 +1,17 @@
-import pytest
+import os
+
 import torch
 
-from hf_kvreuse import enable
-from hf_kvreuse.models import tiny_model
+# Triton's interpreter must be on before anything imports triton (transformers does, through hf_kvreuse): then
+# triton.language's own jitted helpers (tl.sum, ...) also run on CPU tensors. Only without a GPU: on a CUDA machine
+# the kernels compile for the device.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from hf_kvreuse import enable  # noqa: E402
+from hf_kvreuse.models import tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
 

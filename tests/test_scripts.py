@@ -48,3 +48,18 @@ def test_base_lr_benchmark_smoke(tmp_path):
     joined = json.loads((tmp_path / "joined.json").read_text())["accuracy"]["rows"]
     assert [r["n"] for r in joined] == [2] * 4
     assert [r["act_pct"] for r in joined] == [r["act_pct"] for r in res["accuracy"]["rows"]]
+
+
+@pytest.mark.slow
+def test_gpu_check_script_without_gpu(tmp_path):
+    """scripts/gpu_check.sh on a machine without a GPU: every step runs under its limit, the GPU tests are
+    skipped (not failed), the exit status says the check did not pass, and gpu_check.json holds every step."""
+    env = dict(ENV, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(res["steps"]) == {"env", "pytest_gpu", "kernels", "optimistic"}
+    assert res["steps"]["pytest_gpu"]["rc"] == 0 and res["tests"]
+    assert all(t["outcome"] == "skipped" for t in res["tests"])
+    assert "no CUDA device" in res["steps"]["kernels"]["log_tail"]
