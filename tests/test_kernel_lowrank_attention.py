@@ -120,11 +120,15 @@ def test_split_keys(q, T, splits):
 
 @pytest.mark.parametrize("r", [1, 3, 24, 64])
 def test_ranks_padded(r):
-    """Ranks that are not the tile width: 1 and 3 (padded to 16), 24 (to 32) and 64.
+    """Ranks that are not the tile width: 1 and 3 (padded to 16), 24 (to 32) and 64; ``L`` is a slice of a wider
+    buffer whose other columns are NaN, so a padded column read from memory shows.
 
     Planted bug that fails it: the ``L`` tile ignores the rank mask (``mask=n_ok[:, None]``: padded columns
     read the neighbouring elements of the wider buffer)."""
-    _check(_inputs(2, 4, 2, 3, 41, 64, r, torch.float32, seed=6))
+    query, key, value, L, Bw, s = _inputs(2, 4, 2, 3, 41, 64, r, torch.float32, seed=6)
+    wide = torch.full((2, 41, r + 3), float("nan"))
+    wide[..., 1:r + 1] = L
+    _check((query, key, value, wide[..., 1:r + 1], Bw, s))
 
 
 def test_mixed_readers_and_zero_scaling():
@@ -236,7 +240,8 @@ def test_eager_attention_on_triton(monkeypatch):
     """Eager attention (its additive float mask reaches the kernel) on the Triton backend: the torch backend's
     tokens and logits.
 
-    Planted bug that fails it: the kernel adds the additive mask without the log2 factor (``sc + add``)."""
+    Planted bug that fails it: the launcher reads a float mask as no mask (``_mask_view`` returns kind 0 for
+    it: the additive mask is dropped, and with it causality)."""
     pm = multi_lora("llama", targets=("v_proj",), attn="eager")
     runs = {}
     for name in ("torch", "triton"):

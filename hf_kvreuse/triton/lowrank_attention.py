@@ -123,7 +123,8 @@ def _kernels():
         kvh = (bk % Hkv).to(tl.int64)
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < G * Q
-        qi = (rows % Q).to(tl.int64)
+        qi32 = rows % Q
+        qi = qi32.to(tl.int64)
         h = kvh * G + (rows // Q).to(tl.int64)
         d = tl.arange(0, BLOCK_D).to(tl.int64)
         d_ok = d < D
@@ -138,7 +139,7 @@ def _kernels():
         lo = sp * split_tokens
         hi = tl.minimum(T, lo + split_tokens)
         if CAUSAL:  # no key tile past the block's last query position
-            hi = tl.minimum(hi, T - Q + tl.reduce(tl.where(row_ok, qi, 0), 0, tl.standard._elementwise_max) + 1)
+            hi = tl.minimum(hi, T - Q + tl.reduce(tl.where(row_ok, qi32, 0), 0, tl.standard._elementwise_max) + 1)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -327,8 +328,10 @@ def lowrank_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torc
     n_rows = G * q
     block_d = max(16, triton.next_power_of_2(D))
     block_r = max(16, triton.next_power_of_2(r))
-    block_m = min(128 if block_d <= 128 else 64, max(16, triton.next_power_of_2(n_rows)))
-    block_n = 64 if block_m >= 64 else 128  # decode: few rows, longer key tiles
+    # tiles sized for the ~100-200 KB of shared memory of an A100 / H100 (float32 tiles take twice the room)
+    wide = value.element_size() == 4 or block_d > 128
+    block_m = min(64 if wide else 128, max(16, triton.next_power_of_2(n_rows)))
+    block_n = (32 if wide else 64) if block_m >= 64 else (64 if wide else 128)  # decode: few rows, long key tiles
     n_mblocks = triton.cdiv(n_rows, block_m)
     splits = num_splits or _num_splits(n_mblocks * B * Hkv, T, block_n, value.device)
     split_tokens = triton.cdiv(triton.cdiv(T, splits), block_n) * block_n
