@@ -151,3 +151,15 @@ def deviation_topk(new: torch.Tensor, old: torch.Tensor, candidates: torch.Tenso
     from .triton import deviation as dv
 
     return dv.deviation_topk(new, old, candidates, k, use_triton=_backend_all(new, old) == "triton")
+
+
+def lowrank_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, L: torch.Tensor,
+                      Bw: torch.Tensor, s: torch.Tensor, attention_mask: torch.Tensor | None,
+                      scaling: float) -> torch.Tensor:
+    """PReCache's low-rank value attention ``P·V_base + s·(P·L)·B`` (``[B, q, H, D]``), through the backend
+    :func:`backend` picks for ``value``; see :mod:`hf_kvreuse.triton.lowrank_attention`."""
+    from .triton.lowrank_attention import lowrank_attention_torch, lowrank_attention_triton
+
+    if backend(value) == "triton":
+        return lowrank_attention_triton(query, key, value, L, Bw, s, attention_mask, scaling)
+    return lowrank_attention_torch(query, key, value, L, Bw, s, attention_mask, scaling)

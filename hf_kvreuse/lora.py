@@ -8,9 +8,8 @@ agent attends with
 
     O = softmax(Q K^T / sqrt(d)) · (V_base + s_a L_a B_a) = P V_base + s_a (P L_a) B_a
 
-which never materialises per-agent values: here ``[V_base | L_a]`` goes through the model's own attention
-kernel (sdpa or eager) as one value tensor of width ``D + r``, and the ``r`` extra output columns are mapped
-by ``B_a`` per head.
+which never materialises per-agent values (:func:`lowrank_attention`; with the Triton backend one fused kernel
+for every query count, :mod:`hf_kvreuse.triton.lowrank_attention`).
 
 Keys work the same way when ``k_proj`` carries a LoRA, because RoPE is linear:
 ``K_a = R(p) X W_K + s_a R(p) (X A^K_a) B^K_a``. The rotated key term is materialised per forward (``T x D``
@@ -30,7 +29,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import kernels
 from .rope import RopeShifter, find_rotary_embedding
+from .triton.lowrank_attention import lowrank_attention_torch as lowrank_attention  # noqa: F401 (public name)
 
 #: the :class:`LRState` of the forward that is running (None: plain peft behaviour)
 ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_lora_state", default=None)
@@ -248,32 +249,6 @@ def _row_terms(state: LRState, layer: int, kind: str, length: int, like: torch.T
     return torch.cat(Ls, 0), torch.stack(Bs, 0), like.new_tensor(ss)
 
 
-def lowrank_attention(query, key, value, L, Bw, s, attention_mask, scaling: float) -> torch.Tensor:
-    """``P·V_base + s·(P·L)·B`` with ``P = softmax(Q K^T·scaling + mask)``, per-agent values never formed.
-
-    Shapes: query ``[B, H, q, D]``, key/value ``[B, Hkv, T, D]``, ``L [B, T, r]``, ``Bw [B, Hkv·D, r]``, ``s [B]``;
-    the mask is sdpa's (bool, True = visible) or eager's (additive float), or None. Query heads are packed per
-    KV group, so K, V and L are read once per group (no ``repeat_kv`` copies). Returns ``[B, q, H, D]``.
-    """
-    B, H, q, D = query.shape
-    Hkv, T, r = key.shape[1], key.shape[2], L.shape[-1]
-    g = H // Hkv
-    qp = query.reshape(B, Hkv, g * q, D)
-    w = torch.matmul(qp, key.transpose(-1, -2)).float() * scaling  # [B, Hkv, g·q, T]
-    if attention_mask is None and q > 1:  # sdpa's "is_causal" case: the queries are the last q positions
-        pos = torch.arange(T, device=query.device)
-        attention_mask = (pos[None, :] <= pos[T - q:, None])[None, None]
-    if attention_mask is not None:
-        m = attention_mask[..., -q:, :T]
-        m = m.expand(m.shape[0], 1, q, T)[:, :, None].expand(-1, 1, g, q, T).reshape(m.shape[0], 1, g * q, T)
-        w = w.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else w + m.float()
-    p = torch.softmax(w, dim=-1).to(value.dtype)
-    o = torch.matmul(p, value).view(B, Hkv, g, q, D)
-    pl = torch.matmul(p, L[:, None]).view(B, Hkv, g, q, r)  # P·L: L is shared by every KV head
-    o = o + torch.einsum("bkgqr,bkdr->bkgqd", pl, Bw.view(B, Hkv, D, r)) * s.view(B, 1, 1, 1, 1)
-    return o.reshape(B, H, q, D).transpose(1, 2).contiguous()
-
-
 def lora_attention(base_fn: Callable) -> Callable:
     """Wrap an attention function (sdpa / eager) so the active state's LR terms enter keys and values."""
 
@@ -294,14 +269,16 @@ def lora_attention(base_fn: Callable) -> Callable:
         if vterms is None:
             return base_fn(module, query, key, value, attention_mask, **kwargs)
         L, Bw, s = vterms
+        scaling = kwargs.get("scaling")
+        scaling = scaling if scaling is not None else D ** -0.5
+        if kernels.backend(value) == "triton":  # fused for every query count: no transient V_base + s·L·B
+            return kernels.lowrank_attention(query, key, value, L, Bw, s, attention_mask, scaling), None
         limit = state.lowrank_max_queries
         if limit is not None and query.shape[2] > limit:
             # Long prefills: the fused sdpa kernels need equal key / value widths, and the low-rank form runs
             # 3-5x slower on CPU; a transient V_base + s·L·B (one layer, freed at once) keeps the fused path.
             v_agent = value + ((L @ Bw.transpose(1, 2)) * s[:, None, None]).view(B, T, Hkv, D).transpose(1, 2)
             return base_fn(module, query, key, v_agent, attention_mask, **kwargs)
-        scaling = kwargs.get("scaling")
-        scaling = scaling if scaling is not None else D ** -0.5
         return lowrank_attention(query, key, value, L, Bw, s, attention_mask, scaling), None
 
     return attention
