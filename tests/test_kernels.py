@@ -20,6 +20,8 @@ from hf_kvreuse.models.arch_zoo import rag_prompt  # noqa: E402
 from hf_kvreuse.rope import RopeShifter  # noqa: E402
 from hf_kvreuse.triton import rope_rebase as rr  # noqa: E402
 
+from cache_zoo import METHODS as CACHE_METHODS  # noqa: E402
+
 # one ulp or two of each dtype (GPUs may contract the multiply-adds into FMAs; the interpreter is exact
 # except for its float32 -> bfloat16 cast, which truncates where torch rounds to nearest)
 TOL = {torch.float32: dict(atol=1e-6, rtol=2 ** -22), torch.float16: dict(atol=1e-5, rtol=2 ** -10),
@@ -250,34 +252,31 @@ print("ok")
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("method", ["optimistic", "blend", "epic", "tail"])
-def test_every_cache_same_tokens_on_triton_backend(monkeypatch, method):
-    """Each cache gives the torch backend's tokens with ``HF_KVREUSE_KERNELS=triton`` (interpreter), and its stats
-    say which backend ran (``kernels``). OptimisticCache swaps at step 3 in both runs (``ready`` held False), so
-    its tokens do not depend on when the background prefill finishes.
+@pytest.fixture(scope="module")
+def zoo():
+    from cache_zoo import CacheZoo
+
+    return CacheZoo()
+
+
+@pytest.mark.parametrize("method", CACHE_METHODS)
+def test_every_cache_same_tokens_on_triton_backend(monkeypatch, zoo, method):
+    """Every cache of the library gives the torch backend's tokens and logits (within float32 rounding) with
+    ``HF_KVREUSE_KERNELS=triton`` (the interpreter), and its stats say which backend ran (``kernels``).
+    OptimisticCache swaps at step 3 in both runs (``ready`` held False), so its tokens do not depend on when the
+    background prefill finishes.
 
     Planted bug that fails it: ``KVReuseCache.note_kernels`` is skipped (the stats keep ``"torch"``)."""
-    from hf_kvreuse import BlendCache, EPICCache, OptimisticCache, TailRecomputeCache, output_cache
+    from hf_kvreuse.compat import HAS_QUERY_OFFSET
     from hf_kvreuse.generation.background import BackgroundPrefill
 
-    from conftest import agent_prompts
-
-    model = enable(tiny_model("llama"))
+    if method == "latent" and not HAS_QUERY_OFFSET:
+        pytest.skip("latent tokens need transformers>=5.17")
     monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: False)
-    ids_a, ids_b = agent_prompts(4)
-    out_a = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    ids, spans = rag_prompt(2)
-    make = {
-        "optimistic": lambda: (ids_b, OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences,
-                                                      max_optimistic_tokens=3)),
-        "blend": lambda: (ids, BlendCache(model, ids, spans, recompute_ratio=0.3)),
-        "epic": lambda: (ids, EPICCache(model, ids, spans)),
-        "tail": lambda: (ids, TailRecomputeCache(model, ids, spans)),
-    }[method]
     runs = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv("HF_KVREUSE_KERNELS", name)
-        prompt, cache = make()
-        runs[name] = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False), cache.stats.kernels
-    assert runs["torch"][1] == "torch" and runs["triton"][1] == "triton"
-    assert torch.equal(runs["triton"][0], runs["torch"][0])
+        runs[name] = zoo.run(method)
+    assert runs["torch"]["kernels"] == "torch" and runs["triton"]["kernels"] == "triton"
+    assert torch.equal(runs["triton"]["tokens"], runs["torch"]["tokens"])
+    torch.testing.assert_close(runs["triton"]["logits"], runs["torch"]["logits"], atol=1e-4, rtol=1e-4)
