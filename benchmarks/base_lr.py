@@ -14,8 +14,10 @@ Two parts, every variant side by side in one run (CPU machines drift; ratios are
    ``Thought/Action: Retrieve[topic]``; the environment appends a ~``--observation``-token observation (the
    answering passage among others) that ``plan`` reads while writing its next thought; ``act`` writes
    ``Finish[answer]``; ``reflect`` judges it. The scratchpad text is the same for every variant (agents'
-   turns are scored, then the canonical text continues), so only the cache method differs. Reported: each
-   role's skill, act accuracy (gold answer contained) and agreement with ``nonshared``.
+   turns are scored, then the canonical text continues: reflect judges nonshared's answer in every variant),
+   so only the cache method differs. Reported: each role's skill, act accuracy (gold answer contained) and
+   agreement with ``nonshared``, with 95% Wilson intervals; and, per turn, how far each shared variant's
+   first-token logits are from nonshared's (same top-1 token, KL, max |logit difference|): where answers diverge.
 
     python benchmarks/base_lr.py [--model smollm2] [--scale 0.25] [--repeats 2] [--items 30] [--observation 1024]
     python benchmarks/base_lr.py --model qwen2.5-0.5b --items 100 --repeats 1       # full trace + n=100
@@ -157,6 +159,7 @@ def accuracy(pm, tok, items, args) -> dict:
     results = {label(*v): [] for v in VARIANTS}
     episodes = heldout_episodes(items, args.items, args.first)
     for i, item in episodes:
+        first: dict = {}  # (variant, turn) -> first-token logits
         passages = passages_for(items, item, tok, args.observation)
         act = react.act_example(item, passages)
         read_prompt = act.prompt[: act.prompt.rindex(react.ACT_THOUGHT)]
@@ -165,20 +168,30 @@ def accuracy(pm, tok, items, args) -> dict:
             rec = dict(item=i)
 
             def turn(agent, prompt, max_new, key=None):
-                text, ttft = react.agent_turn(pm, tok, cache, agent, prompt, max_new)
+                text, ttft, logits = react.agent_turn(pm, tok, cache, agent, prompt, max_new, first_logits=True)
                 if key:
                     rec[f"{key}_ttft_s"] = ttft
+                    first[(label(method, schedule), key)] = logits
                 return text
 
-            plan_text = turn("plan", react.plan_example(item).prompt, react.MAX_NEW_TOKENS["plan"])
+            plan_text = turn("plan", react.plan_example(item).prompt, react.MAX_NEW_TOKENS["plan"], key="plan")
             turn("plan", read_prompt, 8, key="read")  # plan reads the long observation (its thought is not kept)
             answer = react.parse_finish(turn("act", act.prompt, react.MAX_NEW_TOKENS["act"], key="act"))
-            verdict = turn("reflect", react.reflect_example(item, passages, answer).prompt,
+            # reflect judges the canonical answer (nonshared's), so its turn sees the same text in every variant
+            canon = results["nonshared"][-1]["answer"] if method != "nonshared" else answer
+            verdict = turn("reflect", react.reflect_example(item, passages, canon).prompt,
                            react.MAX_NEW_TOKENS["reflect"], key="reflect")
             rec.update(plan_ok=react.check_plan(plan_text, item), answer=answer,
                        act_ok=react.check_act(answer, item),
-                       reflect_ok=react.check_reflect(verdict, react.is_right(answer, item)),
+                       reflect_ok=react.check_reflect(verdict, react.is_right(canon, item)),
                        prompt_tokens=len(tok(act.prompt, add_special_tokens=False)["input_ids"]))
+            if method != "nonshared":  # how far this variant's first-token logits are from nonshared's, per turn
+                for key in ("plan", "read", "act", "reflect"):
+                    a, b = first[(label(method, schedule), key)], first[("nonshared", key)]
+                    rec[f"{key}_logit_maxdiff"] = float((a - b).abs().max())
+                    rec[f"{key}_kl"] = float(torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1),
+                                                                        log_target=True, reduction="sum"))
+                    rec[f"{key}_top1_same"] = bool(a.argmax() == b.argmax())
             results[label(method, schedule)].append(rec)
         print(f"  item {i + 1}/{args.first + len(episodes)}: " + ", ".join(
             f"{k}={r[-1]['answer']!r}" for k, r in results.items()), flush=True)
@@ -203,6 +216,11 @@ def accuracy_rows(results: dict) -> list[dict]:
             row[f"{key}_pct"], row[f"{key}_ci"] = rate(f)
         agree = [a["answer"] == b["answer"] for a, b in zip(recs, ref)]
         row["agree_pct"], row["agree_ci"] = rate(lambda r, it=iter(agree): next(it))
+        for key in ("plan", "read", "act", "reflect"):  # where the answers diverge: per turn, vs nonshared
+            if f"{key}_kl" in recs[0]:
+                row[f"{key}_top1_same_pct"] = 100 * sum(r[f"{key}_top1_same"] for r in recs) / n
+                row[f"{key}_kl_median"] = statistics.median(r[f"{key}_kl"] for r in recs)
+                row[f"{key}_logit_maxdiff_median"] = statistics.median(r[f"{key}_logit_maxdiff"] for r in recs)
         row["act_ttft_s"] = statistics.median(r["act_ttft_s"] for r in recs)
         row["reflect_ttft_s"] = statistics.median(r["reflect_ttft_s"] for r in recs)
         rows.append(row)
@@ -340,6 +358,13 @@ def print_tables(eff, acc) -> None:
             ("act TTFT", lambda r: f"{r['act_ttft_s'] * 1000:.0f} ms"),
             ("reflect TTFT", lambda r: f"{r['reflect_ttft_s'] * 1000:.0f} ms"),
         ]))
+        shared = [r for r in acc["rows"] if "act_kl_median" in r]
+        if shared:
+            print("\nfirst-token logits against nonshared, per turn (same top-1 % / median KL / median max |diff|)")
+            print(markdown_table(shared, [("variant", lambda r: r["variant"])] + [
+                (key, lambda r, k=key: f"{r[k + '_top1_same_pct']:.0f}% / {r[k + '_kl_median']:.3g} / "
+                                       f"{r[k + '_logit_maxdiff_median']:.2f}")
+                for key in ("plan", "read", "act", "reflect")]))
 
 
 if __name__ == "__main__":

@@ -305,10 +305,11 @@ def react_stop(tokenizer, prompt_len: int, stop: str = "]"):
     return StoppingCriteriaList([_Stop()])
 
 
-def agent_turn(pm, tokenizer, cache, agent: str, prompt: str, max_new_tokens: int) -> tuple[str, float]:
+def agent_turn(pm, tokenizer, cache, agent: str, prompt: str, max_new_tokens: int, first_logits: bool = False):
     """One agent's turn on a shared cache: greedy, stopped after the closing ``]``.
 
-    Returns the generated text and the time to its first token (seconds).
+    Returns the generated text and the time to its first token (seconds); with ``first_logits``, also the
+    float32 logits of the first generated token (``[vocab]``, CPU), to measure how far caches drift apart.
     """
     from ..timing import TokenTimer
 
@@ -317,5 +318,9 @@ def agent_turn(pm, tokenizer, cache, agent: str, prompt: str, max_new_tokens: in
     timer = TokenTimer()
     timer.start()
     out = pm.generate(input_ids=ids, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                      stopping_criteria=react_stop(tokenizer, ids.shape[1]), streamer=timer)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), timer.ttft_s
+                      stopping_criteria=react_stop(tokenizer, ids.shape[1]), streamer=timer,
+                      return_dict_in_generate=True, output_logits=first_logits)
+    text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    if first_logits:
+        return text, timer.ttft_s, out.logits[0][0].float().cpu()
+    return text, timer.ttft_s
