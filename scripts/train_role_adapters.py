@@ -149,6 +149,10 @@ def write_readme(save_dir: Path, result: dict) -> None:
     tr, ev = result["train"], result["eval"]
     steps = ", ".join(f"{r} {tr[r]['steps']} steps / lr {tr[r]['lr']} / {tr[r]['seconds']} s / loss "
                       f"{tr[r]['loss_first25']} -> {tr[r]['loss_last25']}" for r in react.ROLES)
+    retrained = "".join(
+        f" The {r} adapter was trained again (`--roles {r}`): its first run (lr {v['lr']}, {v['steps']} steps) had "
+        f"loss {v['loss_first25']} -> {v['loss_last25']} (per 25 steps: {v['loss_curve_per25']})."
+        for r, v in result.get("retrained", {}).items())
     targets = result["lora"]["target_modules"]
     where = ("**`v_proj` only**, the PReCache setting: K stays adapter-free, V = V_base + 2·(X·A)·B"
              if targets == ["v_proj"] else f"on **{' and '.join(f'`{t}`' for t in targets)}** (the PReCache "
@@ -175,7 +179,7 @@ One episode per step (batch 1), observation = the gold passage among 0-2 other p
 (1: 70 %, 2: 30 %); reflect alternates the gold answer and another question's answer from the same article.
 Loss on the role's target tokens only, AdamW (no weight decay), learning rate decaying linearly to 10 %.
 
-**Training**: {steps}.
+**Training**: {steps}.{retrained}
 
 **Held-out evaluation** ({ev['n_items']} items, observation = {ev['n_passages']} passages, greedy decoding; rows
 are the model variant, columns the skill checks of `react.check_plan/check_act/check_reflect`):
@@ -210,6 +214,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="default: benchmarks/results/role_adapters[_<model>][_kv].json")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the adapters in --save-dir, no training")
+    ap.add_argument("--roles", nargs="+", choices=react.ROLES, default=list(react.ROLES),
+                    help="train only these roles; the others are loaded from --save-dir (their record from --out)")
     args = ap.parse_args()
     if args.save_dir is None:
         args.save_dir = react.role_adapters_dir(args.model, args.targets)
@@ -238,16 +244,32 @@ def main() -> None:
     else:
         from peft import get_peft_model
 
-        pm = get_peft_model(model, react.role_lora_config(args.targets), adapter_name=react.ROLES[0])
-        for role in react.ROLES[1:]:
-            pm.add_adapter(role, react.role_lora_config(args.targets))
-        result["train"], t0 = {}, time.perf_counter()
+        if set(args.roles) != set(react.ROLES):
+            # retrain some roles: the others are loaded from --save-dir, their training record from --out
+            pm = react.load_role_adapters(model, args.save_dir)
+            previous = json.loads(args.out.read_text())
+            result["train"] = {r: previous["train"][r] for r in react.ROLES if r not in args.roles}
+            result["retrained"] = {r: previous["train"][r] for r in args.roles}  # the replaced runs, kept
+            for role in args.roles:
+                pm.delete_adapter(role)
+                pm.add_adapter(role, react.role_lora_config(args.targets))
+        else:
+            pm = get_peft_model(model, react.role_lora_config(args.targets), adapter_name=react.ROLES[0])
+            for role in react.ROLES[1:]:
+                pm.add_adapter(role, react.role_lora_config(args.targets))
+            result["train"] = {}
+        t0 = time.perf_counter()
         for role, steps, lr in zip(react.ROLES, args.steps, args.lr):
+            if role not in args.roles:
+                continue
             print(f"training {role}: {steps} steps, lr {lr}", flush=True)
             result["train"][role] = train_role(pm, tok, role, train, items, steps, lr, args.seed)
-        result["train_seconds_total"] = round(time.perf_counter() - t0, 1)
+        result["train"] = {r: result["train"][r] for r in react.ROLES}
+        result["train_seconds_total"] = round(sum(result["train"][r]["seconds"] for r in react.ROLES), 1)
         print(f"total training time {result['train_seconds_total']} s", flush=True)
         pm.save_pretrained(args.save_dir)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")  # the training record, before the long eval
         print(f"saved to {args.save_dir}")
     t0 = time.perf_counter()
     result["eval"] = evaluate(pm, tok, items, heldout, args.eval_items, args.eval_passages, args.seed,
