@@ -11,8 +11,8 @@ handle (softcapping, sliding windows, sinks, dropout, another shape), it calls t
 the engine still passes, so another thread's forward on the same model during the swap runs unchanged.
 
 Which path runs (:func:`selected_path`): the Triton kernel under the ``triton`` backend (sdpa and eager
-models), the blocked SDPA formulation on torch for ``sdpa`` models, and the explicit mask (no wrapper) for
-``eager`` models on torch and for any other attention implementation (the LoRA wrapper of
+models), the blocked SDPA formulation on torch for ``sdpa`` models on CPU, and the explicit mask (no wrapper)
+for ``eager`` models on torch, for CUDA tensors on torch, and for any other attention implementation (the LoRA wrapper of
 :class:`~hf_kvreuse.cache_classes.base_lr.BaseLRCache` included: both wrappers are never stacked).
 :func:`hf_kvreuse.model_check.check_model` probes the engine on the path that runs (its cache key holds it).
 """
@@ -52,7 +52,8 @@ def selected_path(model, tensor: torch.Tensor) -> str:
         return "mask"
     if backend(tensor) == "triton":
         return "triton"
-    return "blocked" if attn == "sdpa" else "mask"
+    # measured on CPU only; a CUDA device under HF_KVREUSE_KERNELS=torch keeps what it ran before
+    return "blocked" if attn == "sdpa" and tensor.device.type == "cpu" else "mask"
 
 
 def _handles(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sel, kwargs: dict) -> bool:

@@ -124,8 +124,12 @@ class BlockPlan:
     boolean mask over it (``None`` where every column of the range is visible to every row of the block)."""
 
     def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None,
-                 block: int = 64):
+                 block: int | None = None):
         self.n_rows = q_pos.numel()
+        # at most ~8 calls: the columns read are (1/2 + 1/16) of the full mask's for rows spread evenly, and each
+        # call keeps as many parallel tasks as one big call (SDPA's CPU kernel splits long queries coarser);
+        # many small calls lose on a loaded or many-core machine (scripts/selected_attention_cpu.py)
+        block = block or max(64, -(-self.n_rows // 8))
         ordered = bool((q_pos[1:] >= q_pos[:-1]).all()) if q_pos.numel() > 1 else True
         self.order = None if ordered else torch.argsort(q_pos, stable=True)
         qs = q_pos if ordered else q_pos[self.order]
@@ -180,7 +184,7 @@ class SelectedPositions:
     :class:`BlockPlan` of the CPU formulation."""
 
     def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None,
-                 block_m: int = 64, block_n: int = 64, cpu_block: int = 64):
+                 block_m: int = 64, block_n: int = 64, cpu_block: int | None = None):
         self.q_pos, self.k_pos, self.k_valid = q_pos, k_pos, k_valid
         self.block_m, self.block_n, self.cpu_block = block_m, block_n, cpu_block
         self._ends: dict = {}
