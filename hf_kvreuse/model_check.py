@@ -203,9 +203,9 @@ def _probe_engine(model, report: ModelCheck, ids, kv0, logits0, tol: float) -> N
     err, where = _max_rel(pairs)
     report.engine_error = err
     if not err <= tol:
-        report.engine_reason = (f"{report.model_type}: recomputing rows through the model's forward with "
-                                f"position-causal attention ({report.extra.get('attention_path')}) does not "
-                                f"reproduce a plain forward (relative error "
+        report.engine_reason = (f"{report.model_type}: recomputing rows through the model's forward with a "
+                                f"position-causal mask (attention path: {report.extra.get('attention_path')}) "
+                                f"does not reproduce a plain forward (relative error "
                                 f"{err:.3g}, check #{where})")
 
 

@@ -61,8 +61,8 @@ def timed_all(fns, reps: int) -> list[float]:
 
 
 def attention_table(args) -> None:
-    print(f"| dtype | N | R | bool mask (ms) | float mask (ms) | blocked (ms) | speed-up vs bool | vs float | "
-          f"max abs diff |")
+    print("| dtype | N | R | bool mask (ms) | float mask (ms) | blocked (ms) | speed-up vs bool | vs float | "
+          "max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     layer = _Layer()
     for dname in args.dtypes:

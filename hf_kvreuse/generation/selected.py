@@ -106,7 +106,11 @@ def register_selected_attention(base_name: str) -> str:
 def selected_rows(model, positions):
     """For the duration of the block: the model's attention is the selected-row wrapper (reference-counted
     across threads, restored by the last one out) and :data:`SELECTED` holds ``positions`` (a
-    :class:`~hf_kvreuse.triton.selected_attention.SelectedPositions`) in this context."""
+    :class:`~hf_kvreuse.triton.selected_attention.SelectedPositions`) in this context.
+
+    Code that reads the model's attention implementation meanwhile (another thread) should read it through
+    :func:`base_attn`. Any interleaving with another swap (BaseLRCache's LoRA attention) stays correct: every
+    layer the wrapper does not run gets the wrapped function and the mask the engine passes."""
     config = model.config
     name = register_selected_attention(base_attn(config))
     with _SWAP_LOCK:
@@ -123,5 +127,6 @@ def selected_rows(model, positions):
         with _SWAP_LOCK:
             entry[0] -= 1
             if entry[0] == 0:
-                config._attn_implementation = entry[1]
+                if config._attn_implementation == name:  # else someone installed another one since: keep it
+                    config._attn_implementation = entry[1]
                 del _SWAPS[id(config)]
