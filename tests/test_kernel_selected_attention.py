@@ -128,11 +128,10 @@ def test_visible_end_bounds_every_visible_column():
 @pytest.mark.parametrize("block", [1, 8, 64])
 def test_blocked_formulation_equals_mask_path(dtype, block):
     """The blocked SDPA formulation equals what the engine computed before (one SDPA call, boolean mask, repeat_kv)
-    for scattered rows plus a contiguous tail (CacheBlend's selection), rows out of order, GQA.
+    for scattered rows plus a contiguous tail (CacheBlend's selection), rows out of order, GQA, three block sizes.
 
-    Planted bug that fails it: :class:`BlockPlan` keeps no mask when the block's *first* row sees the whole range
-    (``mask[0].all()`` instead of ``mask.all()``): later rows of a block... would see past themselves only if
-    the first row were last; here: a block whose rows see different ranges drops its mask."""
+    Planted bug that fails it: :class:`BlockPlan` decides whether a block needs its mask from the block's last
+    row only (``mask[-1].all()``), which always sees the whole range: every mask is dropped (future leak)."""
     N, D = 150, 64
     q_pos = torch.cat([torch.sort(torch.randperm(130, generator=torch.Generator().manual_seed(2))[:20]).values,
                        torch.arange(130, N)])
@@ -180,8 +179,7 @@ def test_partial_forward_subset_equals_full_prefill(monkeypatch, kind, arch):
     prefill's K/V and logits through the selected-row path (the spy sees every layer), and the model's attention
     implementation is restored afterwards.
 
-    Planted bug that fails it: the wrapper passes ``scaling=None`` through as 1.0 (``kwargs.get("scaling", 1.0)``
-    with the key present but ``None``... planted as: ``scaling = 1.0``)."""
+    Planted bug that fails it: the wrapper ignores the ``scaling`` the layer passes (``scaling = 1.0``)."""
     monkeypatch.setenv("HF_KVREUSE_KERNELS", kind)
     model = tiny_model(arch)
     calls = _spy(monkeypatch)
