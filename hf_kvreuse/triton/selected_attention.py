@@ -126,10 +126,11 @@ class BlockPlan:
     def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None,
                  block: int | None = None):
         self.n_rows = q_pos.numel()
-        # at most ~8 calls: the columns read are (1/2 + 1/16) of the full mask's for rows spread evenly, and each
-        # call keeps as many parallel tasks as one big call (SDPA's CPU kernel splits long queries coarser);
-        # many small calls lose on a loaded or many-core machine (scripts/selected_attention_cpu.py)
-        block = block or max(64, -(-self.n_rows // 8))
+        # k calls read (1/2 + 1/(2k)) of the full mask's columns for rows spread evenly, but each call is one
+        # parallel region of SDPA's CPU kernel: on a loaded machine a region costs milliseconds of waiting for
+        # descheduled threads, so calls stay large (>= 256 rows) and few (<= 8); measured in
+        # scripts/selected_attention_cpu.py
+        block = block or max(256, -(-self.n_rows // 8))
         ordered = bool((q_pos[1:] >= q_pos[:-1]).all()) if q_pos.numel() > 1 else True
         self.order = None if ordered else torch.argsort(q_pos, stable=True)
         qs = q_pos if ordered else q_pos[self.order]
