@@ -163,3 +163,21 @@ def lowrank_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if backend(value) == "triton":
         return lowrank_attention_triton(query, key, value, L, Bw, s, attention_mask, scaling)
     return lowrank_attention_torch(query, key, value, L, Bw, s, attention_mask, scaling)
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions, scaling: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of selected rows ``q`` ``[B, Hq, R, D]`` over ``k``/``v`` ``[B, Hkv, N, D]``, each row seeing the
+    columns at positions up to its own (``positions``: a
+    :class:`~hf_kvreuse.triton.selected_attention.SelectedPositions`), through the backend :func:`backend` picks
+    for ``q``: the Triton kernel, or on torch SDPA block by block over the visible columns; see
+    :mod:`hf_kvreuse.triton.selected_attention`. ``out`` (``[B, Hq, R, D]``, any strides) receives the result."""
+    from .triton.selected_attention import selected_attention_blocked, selected_attention_triton
+
+    q_pos, k_pos, k_valid = positions.on(q.device)
+    if backend(q) == "triton":
+        return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out,
+                                         block_m=positions.block_m, block_n=positions.block_n,
+                                         ends=positions.ends(q.device))
+    return selected_attention_blocked(q, k, v, q_pos, k_pos, scaling, k_valid, plan=positions.plan(q.device),
+                                      out=out)

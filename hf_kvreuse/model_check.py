@@ -9,7 +9,8 @@ guarantee:
 * **position invariance**: hidden states, values and the RoPE-free part of keys do not depend on absolute
   positions (no learned absolute embeddings, no position-dependent scaling), so a shifted block is the block;
 * **the partial-recompute engine** (:func:`~hf_kvreuse.generation.partial.partial_forward`): recomputing rows
-  through the model's forward with a position-causal 4D mask reproduces a plain forward, and its layer-range
+  through the model's forward with position-causal attention (the path that runs: a 4D mask, or the
+  selected-row attention of :mod:`~hf_kvreuse.generation.selected`) reproduces a plain forward, and its layer-range
   mode (which drives the decoder layers itself) reproduces what the model's own ``forward`` does around them
   (embedding scaling, norms, multipliers).
 
@@ -203,7 +204,8 @@ def _probe_engine(model, report: ModelCheck, ids, kv0, logits0, tol: float) -> N
     report.engine_error = err
     if not err <= tol:
         report.engine_reason = (f"{report.model_type}: recomputing rows through the model's forward with a "
-                                f"position-causal mask does not reproduce a plain forward (relative error "
+                                f"position-causal mask (attention path: {report.extra.get('attention_path')}) "
+                                f"does not reproduce a plain forward (relative error "
                                 f"{err:.3g}, check #{where})")
 
 
@@ -241,7 +243,8 @@ def _probe_layers(model, report: ModelCheck, ids, kv0, tol: float) -> None:
 
 @torch.no_grad()
 def check_model(model, refresh: bool = False) -> ModelCheck:
-    """Probe ``model`` (once per model object, dtype and attention backend; cached) and return what it found.
+    """Probe ``model`` (once per model object, dtype, attention implementation and the partial engine's
+    attention path, :func:`~hf_kvreuse.generation.selected.selected_path`; cached) and return what it found.
 
     Parameters
     ----------
@@ -252,8 +255,14 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
     """
     target = _target(model)
     param = next(target.parameters())
-    attn = getattr(target.config, "_attn_implementation", None)
-    key = (param.dtype, param.device, attn)
+    from .generation.selected import base_attn, selected_path
+
+    attn = base_attn(target.config)
+    try:  # the engine's attention path depends on HF_KVREUSE_KERNELS: probe the one that runs
+        path = selected_path(target, param)
+    except (RuntimeError, ValueError) as e:  # a backend that cannot run here: the probe records its failure
+        path = f"unavailable: {e}"
+    key = (param.dtype, param.device, attn, path)
     with _LOCK:
         seen = _CACHE.setdefault(target, {})
         if key in seen and not refresh:
@@ -261,6 +270,7 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
         t0 = time.perf_counter()
         model_type = f"{type(target).__name__} (model_type={getattr(target.config, 'model_type', '?')!r})"
         report = ModelCheck(model_type=model_type, dtype=str(param.dtype).replace("torch.", ""))
+        report.extra["attention_path"] = path
         tol = _tolerance(param.dtype)
         ids = _probe_ids(target, param.device)
         # the probe checks the model's layout, not the caller's numerics: no autocast

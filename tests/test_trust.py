@@ -84,7 +84,12 @@ def test_model_without_rope_refused():
 
 
 def test_engine_probe_refuses_a_forward_that_ignores_the_mask(monkeypatch):
-    """A model whose forward drops the 4D mask would let recomputed rows see the future: refused, with its name."""
+    """A model whose forward drops the 4D mask would let recomputed rows see the future: refused, with its name.
+    (On the path that relies on the mask: the selected-row attention takes positions, not the mask, and is
+    exact on such a model.)"""
+    from hf_kvreuse.generation import partial
+
+    monkeypatch.setattr(partial, "selected_path", lambda *a: "mask")
     m = enable(tiny_model("llama", seed=3))
     inner = m.model.forward
 

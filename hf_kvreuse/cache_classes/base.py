@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from ..generation.protocol import ReuseCacheHooks
+from ..generation.selected import base_attn
 
 
 class KVReuseCache(DynamicCache, ReuseCacheHooks):
@@ -47,7 +48,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         if any(self.is_sliding):
             raise ValueError(f"models with sliding-window attention layers are not supported by "
                              f"{type(self).__name__} yet")
-        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        attn = base_attn(model.config) or "eager"  # not a partial forward's swap in another thread
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn!r} is not supported by {type(self).__name__}: partial "
                              "recompute needs a 4D position mask; load the model with 'sdpa' or 'eager'")

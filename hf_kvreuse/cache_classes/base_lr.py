@@ -45,6 +45,7 @@ from transformers import DynamicCache
 
 from ..compat import cache_kwargs
 from ..generation.mixin import enable
+from ..generation.selected import base_attn
 from ..lora import ACTIVE, LoraSplit, LRState, LRStore, Row, is_peft_model, mixed_adapter_hooks, register_attention
 from .base import KVReuseCache
 
@@ -250,7 +251,7 @@ class BaseLRCache(KVReuseCache):
         self.split.install()
         cfg = self.model.config
         if self._saved_attn is None:
-            self._saved_attn = cfg._attn_implementation or "eager"
+            self._saved_attn = base_attn(cfg) or "eager"  # not a partial forward's swap in another thread
             cfg._attn_implementation = register_attention(self._saved_attn)
 
     def _uninstall(self) -> None:

@@ -14,9 +14,16 @@ rotary_emb}``: Llama, Qwen2/3, Mistral). What a model's own ``forward`` does aro
 multipliers, per-layer extras) is not reproduced there, so :func:`hf_kvreuse.model_check.check_model` compares
 both modes with the model's own forward before any cache uses them. The scatter cache counts its writes and
 raises if a layer of the range did not store its rows exactly once.
+
+Attention of the selected rows (:mod:`hf_kvreuse.generation.selected`): under the ``triton`` backend a kernel
+that builds the position mask per tile and skips the columns no row of a tile can see; on torch for ``sdpa``
+models SDPA per block of rows over only the columns the block can see (measured faster than one call with the
+full mask: ``scripts/selected_attention_cpu.py``); otherwise the explicit mask below.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers import DynamicCache
@@ -25,6 +32,8 @@ from .. import kernels
 from ..compat import cache_kwargs
 from ..devices import PerDevice
 from ..kv import KV
+from ..triton.selected_attention import SelectedPositions
+from .selected import base_attn, selected_path, selected_rows
 
 
 class _ScatterCache(DynamicCache):
@@ -139,22 +148,31 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
     row_pos = positions[rows]
     cache = _ScatterCache(model.config, kv, rows)
     mask = position_causal_mask(row_pos, positions, kv[0][0].dtype, col_valid)
+    # the selected-row attention (Triton kernel, or SDPA over the visible columns per block of rows) replaces
+    # the mask where it applies; the mask is still passed: layers the wrapper does not handle use it
+    path = selected_path(model, kv[0][0])
+    attend = (selected_rows(model, SelectedPositions(row_pos, positions, col_valid)) if path != "mask"
+              else contextlib.nullcontext())
     if layers is not None:
         base = _decoder(model)
         if hidden_states is None:
             if layers.start != 0:
                 raise ValueError("a layer range that does not start at layer 0 needs the rows' hidden_states")
             hidden_states = base.embed_tokens(input_ids[:, rows.to(input_ids.device)])
-        if getattr(model.config, "_attn_implementation", None) == "sdpa" and col_valid is None:
+        if base_attn(model.config) == "sdpa" and col_valid is None:
             # the |rows| x N float mask is N^2 floats for all rows (280 MB at 8k tokens): under sdpa every row in
             # order needs no mask (the causal kernel, as full prefill) and a subset takes a boolean one (4x
             # smaller). The model check probes both forms on each model (model_check._probe_layers).
             in_order = rows.numel() == n and bool((row_pos == torch.arange(n, device=device)).all())
             mask = None if in_order else (positions[None, :] <= row_pos[:, None])[None, None]
-        h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
+            if in_order:
+                attend = contextlib.nullcontext()  # plain causal SDPA is the fast path here
+        with attend:
+            h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
         cache.check_writes(model, layers)
         return base.norm(h) if layers.stop >= len(base.layers) else h
-    out = model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None], attention_mask=mask,
-                use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
+    with attend:
+        out = model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None],
+                    attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
     cache.check_writes(model, range(len(kv)))
     return out

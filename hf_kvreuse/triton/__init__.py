@@ -2,6 +2,8 @@
 
 ``rope_rebase``: re-rotation of cached post-RoPE keys by per-token position deltas. ``gather_scatter``: row gather
 and row scatter of K/V along the token axis (K and V in one launch). ``deviation``: CacheBlend's per-token squared
-K/V deviation and its top-k selection. Dispatch: :mod:`hf_kvreuse.kernels`. Nothing here imports triton at import
+K/V deviation and its top-k selection. ``lowrank_attention``: PReCache's low-rank value attention
+``P·V_base + s·(P·L)·B`` in one flash-attention pass (BaseLRCache). ``selected_attention``: position-causal attention
+for an arbitrary subset of query rows (partial recompute), with a blocked-SDPA formulation for CPUs. Dispatch: :mod:`hf_kvreuse.kernels`. Nothing here imports triton at import
 time.
 """

@@ -1,0 +1,132 @@
+"""The selected-row attention of :func:`~hf_kvreuse.generation.partial.partial_forward`, plugged into the model.
+
+A partial forward feeds ``R`` selected rows that attend to ``N`` cached columns by original position, which
+transformers' attention functions only take as an explicit ``[R, N]`` mask. Here an attention function wrapping
+the model's own (``sdpa`` or ``eager``) is registered with transformers' ``AttentionInterface`` under
+``kvreuse_selected_<base>``; :func:`selected_rows` selects it on the model's config for the duration of one
+partial forward and publishes the rows' positions in the context variable :data:`SELECTED`. While that variable is
+set the wrapper computes the attention with :func:`hf_kvreuse.kernels.selected_attention` (the Triton kernel, or
+on torch SDPA block by block over the columns each block can see); otherwise, and for any layer it does not
+handle (softcapping, sliding windows, sinks, dropout, another shape), it calls the wrapped function with the mask
+the engine still passes, so another thread's forward on the same model during the swap runs unchanged.
+
+Which path runs (:func:`selected_path`): the Triton kernel under the ``triton`` backend (sdpa and eager
+models), the blocked SDPA formulation on torch for ``sdpa`` models on CPU, and the explicit mask (no wrapper)
+for ``eager`` models on torch, for CUDA tensors on torch, and for any other attention implementation (the LoRA wrapper of
+:class:`~hf_kvreuse.cache_classes.base_lr.BaseLRCache` included: both wrappers are never stacked).
+:func:`hf_kvreuse.model_check.check_model` probes the engine on the path that runs (its cache key holds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from typing import Callable
+
+import torch
+
+ATTN_PREFIX = "kvreuse_selected_"
+#: the rows of the partial forward running in this context (a SelectedPositions), or None
+SELECTED: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_selected_rows", default=None)
+
+_SWAP_LOCK = threading.Lock()
+_SWAPS: dict[int, list] = {}  # id(config) -> [active partial forwards, the implementation to restore]
+
+
+def base_attn(config) -> str | None:
+    """The model's own attention implementation (seen through a swap in progress)."""
+    attn = getattr(config, "_attn_implementation", None)
+    if attn is not None and attn.startswith(ATTN_PREFIX):
+        return attn[len(ATTN_PREFIX):]
+    return attn
+
+
+def selected_path(model, tensor: torch.Tensor) -> str:
+    """``"triton"``, ``"blocked"`` or ``"mask"``: how partial recompute attends for ``model`` with K/V like
+    ``tensor`` under the current ``HF_KVREUSE_KERNELS`` (see the module docstring)."""
+    from ..kernels import backend
+
+    attn = base_attn(model.config)
+    if attn not in ("sdpa", "eager"):
+        return "mask"
+    if backend(tensor) == "triton":
+        return "triton"
+    # measured on CPU only; a CUDA device under HF_KVREUSE_KERNELS=torch keeps what it ran before
+    return "blocked" if attn == "sdpa" and tensor.device.type == "cpu" else "mask"
+
+
+def _handles(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sel, kwargs: dict) -> bool:
+    if any(kwargs.get(a) is not None for a in ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")):
+        return False
+    if kwargs.get("dropout", 0.0) or not getattr(module, "is_causal", True):
+        return False
+    if key.shape != value.shape or query.shape[-1] != key.shape[-1] or query.shape[1] % key.shape[1]:
+        return False
+    return query.shape[2] == sel.q_pos.numel() and key.shape[2] == sel.k_pos.numel()
+
+
+def selected_attention_fn(base_fn: Callable) -> Callable:
+    """Wrap an attention function (sdpa / eager) so that, while :data:`SELECTED` is set, the selected rows attend
+    by position through :func:`hf_kvreuse.kernels.selected_attention`."""
+    from .. import kernels
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        sel = SELECTED.get()
+        if sel is None or not _handles(module, query, key, value, sel, kwargs):
+            return base_fn(module, query, key, value, attention_mask, **kwargs)
+        B, Hq, R, D = query.shape
+        scaling = kwargs.get("scaling")
+        scaling = scaling if scaling is not None else D ** -0.5
+        out = query.new_empty(B, R, Hq, D)  # the layout attention functions return: no transpose copy
+        kernels.selected_attention(query, key, value, sel, scaling, out=out.transpose(1, 2))
+        return out, None
+
+    return attention
+
+
+def register_selected_attention(base_name: str) -> str:
+    """Register (once) the selected-row attention wrapping ``base_name`` ("sdpa" or "eager"); return its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = ATTN_PREFIX + base_name
+    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        if base_name == "eager":
+            from transformers.models.llama.modeling_llama import eager_attention_forward as base_fn
+        else:
+            base_fn = ALL_ATTENTION_FUNCTIONS._global_mapping[base_name]
+        AttentionInterface.register(name, selected_attention_fn(base_fn))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base_name])
+    return name
+
+
+@contextlib.contextmanager
+def selected_rows(model, positions):
+    """For the duration of the block: the model's attention is the selected-row wrapper (reference-counted
+    across threads, restored by the last one out) and :data:`SELECTED` holds ``positions`` (a
+    :class:`~hf_kvreuse.triton.selected_attention.SelectedPositions`) in this context.
+
+    Code that reads the model's attention implementation meanwhile (another thread) should read it through
+    :func:`base_attn`. Any interleaving with another swap (BaseLRCache's LoRA attention) stays correct: every
+    layer the wrapper does not run gets the wrapped function and the mask the engine passes."""
+    config = model.config
+    name = register_selected_attention(base_attn(config))
+    with _SWAP_LOCK:
+        entry = _SWAPS.get(id(config))
+        if entry is None:
+            entry = _SWAPS[id(config)] = [0, config._attn_implementation]
+            config._attn_implementation = name
+        entry[0] += 1
+    token = SELECTED.set(positions)
+    try:
+        yield
+    finally:
+        SELECTED.reset(token)
+        with _SWAP_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                if config._attn_implementation == name:  # else someone installed another one since: keep it
+                    config._attn_implementation = entry[1]
+                del _SWAPS[id(config)]
