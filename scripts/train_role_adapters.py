@@ -47,8 +47,9 @@ def role_example(role: str, item: SquadItem, items: list[SquadItem], rng: random
 
 
 def train_role(pm, tok, role: str, train: list[SquadItem], items: list[SquadItem], steps: int, lr: float,
-               seed: int) -> dict:
-    """Train adapter ``role`` alone (batch 1, loss on the target tokens only, AdamW, linear decay to 10%)."""
+               seed: int, clip_grad: float = 0.0) -> dict:
+    """Train adapter ``role`` alone (batch 1, loss on the target tokens only, AdamW, linear decay to 10%;
+    gradient norm clipped to ``clip_grad`` when it is > 0)."""
     pm.set_adapter(role)
     params = [p for n, p in pm.named_parameters() if f".{role}." in n]
     for p in params:
@@ -71,6 +72,8 @@ def train_role(pm, tok, role: str, train: list[SquadItem], items: list[SquadItem
         logits = pm(input_ids=ids, logits_to_keep=len(t_ids) + 1).logits[0, :-1]
         loss = torch.nn.functional.cross_entropy(logits, torch.tensor(t_ids))
         loss.backward()
+        if clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -83,7 +86,7 @@ def train_role(pm, tok, role: str, train: list[SquadItem], items: list[SquadItem
     for p in params:
         p.requires_grad_(False)
     curve = [round(sum(losses[i:i + 25]) / len(losses[i:i + 25]), 4) for i in range(0, len(losses), 25)]
-    return dict(steps=steps, lr=lr, seconds=round(time.perf_counter() - t0, 1), tokens=tokens,
+    return dict(steps=steps, lr=lr, clip_grad=clip_grad, seconds=round(time.perf_counter() - t0, 1), tokens=tokens,
                 loss_first25=curve[0] if curve else None, loss_last25=curve[-1] if curve else None,
                 loss_curve_per25=curve)
 
@@ -199,6 +202,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs=3, default=[100, 180, 220], metavar=("PLAN", "ACT", "REFLECT"))
     ap.add_argument("--lr", type=float, nargs=3, default=[2e-3, 3e-3, 2e-3], metavar=("PLAN", "ACT", "REFLECT"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip-grad", type=float, default=0.0, help="clip the gradient norm (0: off, as for SmolLM2)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (use 1 when another job shares the CPU: "
                     "oversubscribed OpenMP threads run 3-10x slower)")
     ap.add_argument("--eval-items", type=int, default=30)
@@ -263,7 +267,7 @@ def main() -> None:
             if role not in args.roles:
                 continue
             print(f"training {role}: {steps} steps, lr {lr}", flush=True)
-            result["train"][role] = train_role(pm, tok, role, train, items, steps, lr, args.seed)
+            result["train"][role] = train_role(pm, tok, role, train, items, steps, lr, args.seed, args.clip_grad)
         result["train"] = {r: result["train"][r] for r in react.ROLES}
         result["train_seconds_total"] = round(sum(result["train"][r]["seconds"] for r in react.ROLES), 1)
         print(f"total training time {result['train_seconds_total']} s", flush=True)
