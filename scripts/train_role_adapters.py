@@ -156,6 +156,9 @@ def write_readme(save_dir: Path, result: dict) -> None:
         f" The {r} adapter was trained again (`--roles {r}`): its first run (lr {v['lr']}, {v['steps']} steps) had "
         f"loss {v['loss_first25']} -> {v['loss_last25']} (per 25 steps: {v['loss_curve_per25']})."
         for r, v in result.get("retrained", {}).items())
+    made_by = f"`{result['command']}`"
+    if result.get("previous_command"):
+        made_by = f"`{result['previous_command']}`, then {made_by}"
     targets = result["lora"]["target_modules"]
     where = ("**`v_proj` only**, the PReCache setting: K stays adapter-free, V = V_base + 2·(X·A)·B"
              if targets == ["v_proj"] else f"on **{' and '.join(f'`{t}`' for t in targets)}** (the PReCache "
@@ -172,7 +175,7 @@ act writes the answer after `Action: Finish[`, reflect writes `Reflect[right]` /
 Load: `pm = hf_kvreuse.workflows.react.load_role_adapters({loader}, "{result['save_dir']}")`,
 then `pm.set_adapter("act")`.
 
-**Made by** `{result['command']}` (`scripts/train_role_adapters.py`, seed {result['seed']},
+**Made by** {made_by} (`scripts/train_role_adapters.py`, seed {result['seed']},
 {result['torch_threads']} torch threads, CPU, base weights {result['dtype']}, LoRA float32) in {result['train_seconds_total']} s of training in all
 (1-min load average at start: {result['load_avg_1min_start']:.1f}).
 
@@ -254,6 +257,7 @@ def main() -> None:
             previous = json.loads(args.out.read_text())
             result["train"] = {r: previous["train"][r] for r in react.ROLES if r not in args.roles}
             result["retrained"] = {r: previous["train"][r] for r in args.roles}  # the replaced runs, kept
+            result["previous_command"] = previous["command"]
             for role in args.roles:
                 pm.delete_adapter(role)
                 pm.add_adapter(role, react.role_lora_config(args.targets))
