@@ -8,7 +8,9 @@ The environment variable ``HF_KVREUSE_KERNELS`` picks the backend, read at each 
     Always the eager torch code.
 ``triton``
     Always the Triton kernels; CPU tensors then need ``TRITON_INTERPRET=1`` (Triton's interpreter, slow: for
-    tests), set before the first kernel call of the process.
+    tests), set before triton is first imported (transformers imports it: set it before importing
+    transformers or hf_kvreuse, e.g. in the environment): triton's library functions (``tl.sum``, ``tl.max``)
+    are built for the interpreter only then.
 
 Triton stays optional: importing this module (or :mod:`hf_kvreuse`) never imports it; it is imported on the
 first call that needs it (installed by ``pip install hf_kvreuse[triton]``).

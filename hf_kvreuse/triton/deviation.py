@@ -87,10 +87,6 @@ def _kernel():
         t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         d = tl.arange(0, BLOCK_D).to(tl.int64)
         m = (t < T)[:, None] & (d < D)[None, :]
-        # tl.full / tl.reduce(..., _sum_combine) rather than tl.zeros / tl.sum: those two are @triton.jit library
-        # functions, jitted for the GPU when triton was imported before TRITON_INTERPRET=1 was set (transformers
-        # imports triton), which the interpreter then cannot call; tl.reduce with the library's own sum combiner
-        # is what tl.sum compiles to, and the interpreter maps it to a numpy sum
         acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
         acc2 = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
         for bh in range(0, BH):
@@ -105,9 +101,9 @@ def _kernel():
             acc += diff * diff
             if NORM:
                 acc2 += xf * xf
-        tl.store(dev_ptr + t, tl.reduce(acc, 1, tl.standard._sum_combine), mask=t < T)
+        tl.store(dev_ptr + t, tl.sum(acc, 1), mask=t < T)
         if NORM:
-            tl.store(sq_ptr + t, tl.reduce(acc2, 1, tl.standard._sum_combine), mask=t < T)
+            tl.store(sq_ptr + t, tl.sum(acc2, 1), mask=t < T)
 
     return triton, deviation_kernel
 

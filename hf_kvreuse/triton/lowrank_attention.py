@@ -109,10 +109,6 @@ def _kernels():
             MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
             UPCAST: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-        # Reductions are tl.reduce with triton's own combine functions (not tl.max / tl.sum) and tl.full stands
-        # for tl.zeros: those helpers are @jit functions decorated when triton was first imported, unusable by the
-        # interpreter when that import came before TRITON_INTERPRET=1 (transformers imports triton); the
-        # interpreter maps the two combine functions to numpy directly.
         # one program: BLOCK_M packed query rows (row = g·Q + query index) of one (batch, KV head), over the keys
         # [lo, hi) of its split
         mb = tl.program_id(0)
@@ -139,7 +135,7 @@ def _kernels():
         lo = sp * split_tokens
         hi = tl.minimum(T, lo + split_tokens)
         if CAUSAL:  # no key tile past the block's last query position
-            hi = tl.minimum(hi, T - Q + tl.reduce(tl.where(row_ok, qi32, 0), 0, tl.standard._elementwise_max) + 1)
+            hi = tl.minimum(hi, T - Q + tl.max(tl.where(row_ok, qi32, 0), 0) + 1)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -169,11 +165,11 @@ def _kernels():
                 # uniform like the reference's softmax over finfo.min scores)
                 sc = sc + tl.maximum(add.to(tl.float32), -1.0e30) * 1.4426950408889634
             sc = tl.where(valid, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(sc, 1, tl.standard._elementwise_max))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_base + n[:, None] * sv_t + d[None, :] * sv_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             pv = p.to(vt.dtype)  # P rounded to the value dtype, as the tensor-core dot reads it
             if UPCAST:

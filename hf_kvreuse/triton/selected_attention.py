@@ -213,10 +213,6 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    # Row max / sum as tl.reduce with triton's own combine functions instead of tl.max / tl.sum / tl.zeros:
-    # those are @jit functions decorated when triton is first imported, so under the interpreter they fail if
-    # triton was imported before TRITON_INTERPRET=1 was set (transformers may import it first); tl.reduce is a
-    # builtin, and the interpreter maps these two combine functions to numpy. The same reductions on a GPU.
     @triton.jit
     def selected_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qpos_ptr, kpos_ptr, valid_ptr, end_ptr,
                                   Hq, R, D, G, qk_scale,
@@ -267,11 +263,11 @@ def _kernel():
             else:
                 s = tl.dot(q, kt)
             s = tl.where(ok, s * qk_scale, float("-inf"))  # log2 domain: qk_scale holds log2(e)
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid (-inf) - (-inf)
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_base + n64[:, None] * v_n + d64[None, :] * v_d, mask=n_ok[:, None] & d_ok[None, :],
                          other=0.0)
             if IEEE:
