@@ -135,3 +135,23 @@ def output_cache(output):
     """The cache of a ``generate`` / forward output: ``.cache`` on 5.2x, ``.past_key_values`` before."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def register_attention_wrapper(name: str, base_name: str, wrap) -> str:
+    """Register (once) ``wrap(base_fn)`` as transformers attention implementation ``name``, where ``base_fn`` is the
+    attention function of ``base_name`` ("sdpa" or "eager"), with ``base_name``'s mask builder; return ``name``.
+
+    The library's attention wrappers (BaseLRCache's low-rank values, partial recompute's selected rows) are
+    selected through ``config._attn_implementation`` and fall back to ``base_fn`` outside their calls."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        if base_name == "eager":
+            from transformers.models.llama.modeling_llama import eager_attention_forward as base_fn
+        else:
+            base_fn = ALL_ATTENTION_FUNCTIONS._global_mapping[base_name]
+        AttentionInterface.register(name, wrap(base_fn))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base_name])
+    return name

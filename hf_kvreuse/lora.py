@@ -286,19 +286,9 @@ def lora_attention(base_fn: Callable) -> Callable:
 
 def register_attention(base_name: str) -> str:
     """Register (once) the LR attention wrapping ``base_name`` ("sdpa" or "eager"); return its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from .compat import register_attention_wrapper
 
-    name = ATTN_PREFIX + base_name
-    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
-        if base_name == "eager":
-            from transformers.models.llama.modeling_llama import eager_attention_forward as base_fn
-        else:
-            base_fn = ALL_ATTENTION_FUNCTIONS._global_mapping[base_name]
-        AttentionInterface.register(name, lora_attention(base_fn))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base_name])
-    return name
+    return register_attention_wrapper(ATTN_PREFIX + base_name, base_name, lora_attention)
 
 
 def mixed_adapter_hooks(peft_model, adapter_names: list[str], skip: list[nn.Module]) -> list:

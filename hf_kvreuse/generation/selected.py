@@ -87,19 +87,9 @@ def selected_attention_fn(base_fn: Callable) -> Callable:
 
 def register_selected_attention(base_name: str) -> str:
     """Register (once) the selected-row attention wrapping ``base_name`` ("sdpa" or "eager"); return its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from ..compat import register_attention_wrapper
 
-    name = ATTN_PREFIX + base_name
-    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
-        if base_name == "eager":
-            from transformers.models.llama.modeling_llama import eager_attention_forward as base_fn
-        else:
-            base_fn = ALL_ATTENTION_FUNCTIONS._global_mapping[base_name]
-        AttentionInterface.register(name, selected_attention_fn(base_fn))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base_name])
-    return name
+    return register_attention_wrapper(ATTN_PREFIX + base_name, base_name, selected_attention_fn)
 
 
 @contextlib.contextmanager
