@@ -17,8 +17,12 @@ model of SmolLM2-135M's configuration, old path (mask) vs new (blocked), and com
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -60,7 +64,8 @@ def timed_all(fns, reps: int) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
-def attention_table(args) -> None:
+def attention_table(args) -> list[dict]:
+    out_rows = []
     print("| dtype | N | R | bool mask (ms) | float mask (ms) | blocked (ms) | speed-up vs bool | vs float | "
           "max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -92,11 +97,15 @@ def attention_table(args) -> None:
                                     blocked], args.reps)
             print(f"| {dname} | {n} | {R} | {tb * 1e3:.1f} | {tf * 1e3:.1f} | {tn * 1e3:.1f} | {tb / tn:.2f}x | "
                   f"{tf / tn:.2f}x | {diff:.2g} |", flush=True)
+            out_rows.append(dict(dtype=dname, tokens=n, rows=R, bool_mask_s=tb, float_mask_s=tf, blocked_s=tn,
+                                 speedup_vs_bool=tb / tn, speedup_vs_float=tf / tn, max_abs_diff=diff))
             t_plan = timed(lambda: SelectedPositions(rows, pos, cpu_block=args.block).plan(q.device), args.reps)
             print(f"<!-- plan build (once per forward): {t_plan * 1e3:.2f} ms -->")
+            out_rows[-1]["plan_build_s"] = t_plan
+    return out_rows
 
 
-def engine_table(args) -> None:
+def engine_table(args) -> list[dict]:
     import transformers
 
     from hf_kvreuse.generation import partial_forward
@@ -106,6 +115,7 @@ def engine_table(args) -> None:
                                    rope_theta=100000.0, tie_word_embeddings=True)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
+    out_rows = []
     print("\n| dtype | N | R | partial_forward(layers=2..29), mask path (s) | blocked (s) | speed-up | "
           "max rel K/V diff |")
     print("|---|---|---|---|---|---|---|")
@@ -135,6 +145,9 @@ def engine_table(args) -> None:
                       for a, b in ((ka.float(), kb.float()), (va.float(), vb.float())))
             tm, tn = results["mask"][0], results["blocked"][0]
             print(f"| {dname} | {n} | {rows.numel()} | {tm:.2f} | {tn:.2f} | {tm / tn:.2f}x | {err:.2g} |", flush=True)
+            out_rows.append(dict(dtype=dname, tokens=n, rows=rows.numel(), mask_path_s=tm, blocked_s=tn,
+                                 speedup=tm / tn, max_rel_kv_diff=err))
+    return out_rows
 
 
 def main(argv=None) -> None:
@@ -149,14 +162,21 @@ def main(argv=None) -> None:
     ap.add_argument("--engine", action="store_true", help="also time a whole partial_forward (slower)")
     ap.add_argument("--engine-only", action="store_true", help="only the partial_forward timing")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                    "selected_attention_cpu.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    result = dict(command=" ".join(["python"] + sys.argv), torch=torch.__version__, threads=torch.get_num_threads(),
+                  load_avg_1min=os.getloadavg()[0], ratio=args.ratio, tail=args.tail)
     if not args.engine_only:
-        attention_table(args)
+        result["attention"] = attention_table(args)
     if args.engine or args.engine_only:
-        engine_table(args)
+        result["engine"] = engine_table(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
