@@ -156,6 +156,8 @@ def write_readme(save_dir: Path, result: dict) -> None:
         f" The {r} adapter was trained again (`--roles {r}`): its first run (lr {v['lr']}, {v['steps']} steps) had "
         f"loss {v['loss_first25']} -> {v['loss_last25']} (per 25 steps: {v['loss_curve_per25']})."
         for r, v in result.get("retrained", {}).items())
+    adapters_dir = (f"react.role_adapters_dir({result['model_key']!r}"
+                    + (", ('k_proj', 'v_proj'))" if "k_proj" in result["lora"]["target_modules"] else ")"))
     made_by = f"`{result['command']}`"
     if result.get("previous_command"):
         made_by = f"`{result['previous_command']}`, then {made_by}"
@@ -172,12 +174,12 @@ Three LoRA adapters, `plan/`, `act/`, `reflect/` (rank 8, alpha 16, {where}), fo
 `hf_kvreuse/workflows/react.py`: plan writes `Thought: ...` + `Action: Retrieve[<article title>]` after the question,
 act writes the answer after `Action: Finish[`, reflect writes `Reflect[right]` / `Reflect[wrong]` after the Finish line.
 
-Load: `pm = hf_kvreuse.workflows.react.load_role_adapters({loader}, "{result['save_dir']}")`,
+Load: `pm = hf_kvreuse.workflows.react.load_role_adapters({loader}, {adapters_dir})`,
 then `pm.set_adapter("act")`.
 
 **Made by** {made_by} (`scripts/train_role_adapters.py`, seed {result['seed']},
 {result['torch_threads']} torch threads, CPU, base weights {result['dtype']}, LoRA float32) in {result['train_seconds_total']} s of training in all
-(1-min load average at start: {result['load_avg_1min_start']:.1f}).
+(1-min load average at start: {result['load_avg_1min_start']:.1f}; timings are only comparable on an idle machine).
 
 **Data**: SQuAD v1.1 dev items of `hf_kvreuse.workflows.datasets.squad()` (offline). {result['n_train_items']} items
 of the articles not in `react.EVAL_TITLES` for training; the held-out articles are {', '.join(react.EVAL_TITLES)}.

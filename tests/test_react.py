@@ -84,12 +84,42 @@ def test_split_holds_out_whole_articles():
     assert not {it.title for it in train} & set(react.EVAL_TITLES)
 
 
-def test_shipped_adapter_configs():
+# (model key, hidden size, K/V width, layers) of the models with shipped role adapters
+SHIPPED = [("smollm2", 576, 192, 30), ("qwen2.5-0.5b", 896, 128, 24)]
+
+
+@pytest.mark.parametrize("key,hidden,kv_width,layers", SHIPPED)
+def test_shipped_adapter_configs(key, hidden, kv_width, layers):
+    """Each model's shipped adapters: rank 8 on v_proj only (PReCache), every layer, shapes of that model."""
+    from safetensors import safe_open
+
+    folder = react.role_adapters_dir(key)
+    assert (folder / "README.md").is_file()
     for role in react.ROLES:
-        d = react.ROLE_ADAPTERS_DIR / role
+        d = folder / role
         cfg = json.loads((d / "adapter_config.json").read_text())
-        assert (d / "adapter_model.safetensors").stat().st_size > 0
         assert cfg["r"] == 8 and cfg["target_modules"] == ["v_proj"], cfg  # PReCache: no LoRA on k_proj
+        with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        assert len(shapes) == 2 * layers
+        assert all(v == [8, hidden] for k, v in shapes.items() if "lora_A" in k)
+        assert all(v == [kv_width, 8] for k, v in shapes.items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize("key", [k for k, *_ in SHIPPED])
+def test_adapters_of_another_model_are_refused(key):
+    """Loading a model's adapters onto another model raises a ValueError naming both shapes, before peft.
+
+    Planted bug that fails it: ``load_role_adapters`` skips ``_check_adapter_shapes`` (peft then raises a
+    RuntimeError about a size mismatch deep inside ``load_state_dict``)."""
+    from hf_kvreuse.models import tiny_model
+
+    with pytest.raises(ValueError, match="trained for another model"):
+        react.load_role_adapters(tiny_model("qwen2"), react.role_adapters_dir(key))
+    with pytest.raises(FileNotFoundError, match="adapter"):
+        react.load_role_adapters(tiny_model("qwen2"), react.ADAPTERS_ROOT / "nowhere")
+    with pytest.raises(ValueError, match="k_proj"):
+        react.role_adapters_dir(key, ("q_proj",))
 
 
 @pytest.mark.slow
