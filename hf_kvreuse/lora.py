@@ -213,7 +213,10 @@ def _split_forward(module: nn.Module, layer: int, kind: str) -> Callable:
                 f = state.split.factor(layer, kind, adapter)
                 if f is not None:
                     A = f[0]
-                    state.store.append(kind, adapter, layer, x[row_idx: row_idx + 1].to(A.dtype) @ A.T)
+                    # kept in the K/V dtype: every reader casts L to it (_row_terms), so a float32 LoRA factor
+                    # over a bf16 model does not double the LR cache
+                    L = x[row_idx: row_idx + 1].to(A.dtype) @ A.T
+                    state.store.append(kind, adapter, layer, L.to(out.dtype))
         return out
 
     return forward

@@ -327,9 +327,17 @@ def test_edited_trajectory_is_cropped_to_common_prefix(pm_llama):
     assert torch.equal(again, plain(pm, "plan", edited, 5))
 
 
-def test_memory_per_extra_agent():
-    """LR cache of one adapter = r / (2·H_kv·D) of the full (base) cache: 4 / 64 here, 8 / 384 on SmolLM2."""
-    pm = multi_lora("llama", r=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_memory_per_extra_agent(dtype):
+    """LR cache of one adapter = r / (2·H_kv·D) of the full (base) cache: 4 / 64 here, 8 / 384 on SmolLM2, also
+    for a bf16 model whose LoRA factors peft keeps in float32.
+
+    Planted bug that fails it [bfloat16]: the LR rows are stored in the LoRA factor's dtype (float32), as before
+    (the ratio doubles)."""
+    pm = multi_lora("llama", r=4).to(dtype)
+    for name, p in pm.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()  # what peft does for a bf16 base model (autocast_adapter_dtype)
     cache = BaseLRCache(pm, method="prelrshared")
     run_trace(pm, cache, TRACE[:2])
     base = cache.kv_bytes() - cache.lr_bytes()
