@@ -159,21 +159,20 @@ def test_every_cache_on_cuda_bf16(method):
 
 
 def _split(model, second: torch.device):
-    """Layers of the second half (and the final norm and head) compute on ``second``: accelerate's hooks, as
-    ``dispatch_model`` installs them for a device_map over two devices."""
+    """Layers of the second half compute on ``second``: accelerate's hooks, as ``dispatch_model`` installs them for
+    a device_map over two devices (the cache passes through untouched: ``skip_keys``). Embeddings, the final norm
+    and the head stay on the first device, so logits come back where ``generate`` keeps its tokens."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
+    skip = ["past_key_values", "past_key_value"]
     layers = decoder_layers(model)
     half = len(layers) // 2
     for i, layer in enumerate(layers):
         dev = DEVICE if i < half else second
         layer.to(dev)
-        add_hook_to_module(layer, AlignDevicesHook(execution_device=dev, io_same_device=False))
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=dev, io_same_device=False, skip_keys=skip))
     for module in (model.model.norm, model.lm_head):
-        module.to(second)
-        add_hook_to_module(module, AlignDevicesHook(execution_device=second, io_same_device=False))
-    add_hook_to_module(model.model.embed_tokens, AlignDevicesHook(execution_device=DEVICE, io_same_device=False))
-    model.model.rotary_emb.to(DEVICE)
+        add_hook_to_module(module, AlignDevicesHook(execution_device=DEVICE, io_same_device=False))
     return model
 
 
