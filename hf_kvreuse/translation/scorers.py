@@ -188,7 +188,8 @@ class FirstLayerDeviationScorer(Scorer):
         for i in parts:
             # sum_{b,h,d} of (new - old)^2 and of new^2 per position, in float32 (Triton: one pass, no upcast copies)
             d, sq = kernels.token_deviation(kv[c][i], old[i], upcast=True, norm=True)
-            dev += d / sq.mean().clamp_min(1e-30)
+            # .to: on a model split over devices, layer c's K/V need not sit beside layer 0's
+            dev += (d / sq.mean().clamp_min(1e-30)).to(dev.device)
         cache.exact_layers = c + 1
         return dev
 
