@@ -48,7 +48,7 @@ from hf_kvreuse.workflows.datasets import passages_for, squad
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import markdown_table, wilson  # noqa: E402
+from common import markdown_table, paired_difference, wilson  # noqa: E402
 
 VARIANTS = [("nonshared", "after_turn"), ("prelrshared", "after_turn"), ("rebaseshared", "after_turn"),
             ("rebaseshared", "alongside")]
@@ -214,6 +214,9 @@ def accuracy_rows(results: dict) -> list[dict]:
         for key, f in (("plan", lambda r: r["plan_ok"]), ("act", lambda r: r["act_ok"]),
                        ("reflect", lambda r: r["reflect_ok"])):
             row[f"{key}_pct"], row[f"{key}_ci"] = rate(f)
+        if name != "nonshared":  # paired: the same episodes, so shared failures cancel (Newcombe's interval)
+            d, lo, hi = paired_difference([r["act_ok"] for r in recs], [r["act_ok"] for r in ref])
+            row["act_minus_nonshared_pts"], row["act_minus_nonshared_ci"] = 100 * d, [100 * lo, 100 * hi]
         agree = [a["answer"] == b["answer"] for a, b in zip(recs, ref)]
         row["agree_pct"], row["agree_ci"] = rate(lambda r, it=iter(agree): next(it))
         for key in ("plan", "read", "act", "reflect"):  # where the answers diverge: per turn, vs nonshared
@@ -353,6 +356,9 @@ def print_tables(eff, acc) -> None:
             ("variant", lambda r: r["variant"]), ("n", lambda r: str(r["n"])),
             ("plan skill", lambda r: ci(r, "plan")), ("act accuracy", lambda r: ci(r, "act")),
             ("reflect skill", lambda r: ci(r, "reflect")),
+            ("act - nonshared (paired)", lambda r: "-" if "act_minus_nonshared_pts" not in r else
+             f"{r['act_minus_nonshared_pts']:+.0f} pts [{r['act_minus_nonshared_ci'][0]:+.0f}, "
+             f"{r['act_minus_nonshared_ci'][1]:+.0f}]"),
             ("answer = nonshared", lambda r: ci(r, "agree")),
             ("act TTFT", lambda r: f"{r['act_ttft_s'] * 1000:.0f} ms"),
             ("reflect TTFT", lambda r: f"{r['reflect_ttft_s'] * 1000:.0f} ms"),

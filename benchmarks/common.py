@@ -7,7 +7,7 @@ import statistics
 from typing import Callable, Sequence
 
 
-from hf_kvreuse.cli import wilson  # noqa: F401  (one implementation, shared with hf-kvreuse bench)
+from hf_kvreuse.cli import paired_difference, wilson  # noqa: F401  (one implementation, shared with hf-kvreuse bench)
 from hf_kvreuse.timing import floor_seconds  # noqa: F401
 
 
