@@ -32,6 +32,7 @@ from ..compat import cache_kwargs
 from ..devices import offloaded
 from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.partial import partial_forward
+from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
 from ..timing import now
@@ -120,6 +121,11 @@ class OptimisticCache(KVReuseCache):
         prefix with an exact donor is then exact K/V for this prompt as well: the background prefill starts
         after it instead of at 0 (prefix caching, without its risk). Default: no donor is trusted, the exact
         prefill covers the whole prompt.
+    verify_donor : bool, default=True
+        Check that each donor was computed by ``model`` (:func:`hf_kvreuse.model_check.check_donor`): a cache this
+        model's ``generate`` returned with its present weights is recognised by its tag; any other is probed (its
+        layer-0 keys at a few positions against the model's own) and refused if another model made it. False: trust
+        the donors (e.g. another peft adapter of this model on purpose).
     """
 
     def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache | list, donor_ids, *,
@@ -127,7 +133,7 @@ class OptimisticCache(KVReuseCache):
                  background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
                  background_chunk_tokens: int | None = None, background_threads: int | None = None,
                  on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False,
-                 donor_exact: bool | list = False):
+                 donor_exact: bool | list = False, verify_donor: bool = True):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -170,6 +176,7 @@ class OptimisticCache(KVReuseCache):
         self.job: BackgroundPrefill | None = None
         self._budget = None
         self._threads_lowered = False
+        self.verify_donor = verify_donor
         self._donor_lens = [self._check_donor(c, d) for c, d in zip(self.donor_caches, self.donor_ids_list)]
         self.stats.donors = len(caches)
 
@@ -246,6 +253,8 @@ class OptimisticCache(KVReuseCache):
         donor_len = kv_length(donor_kv)
         if donor_ids.shape[1] < donor_len:
             raise ValueError(f"donor_ids has {donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
+        if self.verify_donor:
+            check_donor(self.model, donor_cache, donor_ids, donor_len, who=type(self).__name__)
         return donor_len
 
     def _align(self) -> Alignment:
@@ -319,7 +328,7 @@ class OptimisticCache(KVReuseCache):
         self.stats.swap_step = generated
         self.stats.optimistic_tokens = generated
         self.stats.exact = True
-        self._replay = input_ids[0, n:] if self.record_divergence and generated > 0 else None
+        self._replay = input_ids if self.record_divergence and generated > 0 else None
         return input_ids.shape[1] - (n - 1)
 
     def after_forward(self, outputs) -> None:
@@ -330,8 +339,14 @@ class OptimisticCache(KVReuseCache):
             self._count_divergence(outputs.logits[0, :-1], self._replay)
             self._replay = None
 
-    def _count_divergence(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        diff = (logits.argmax(-1) != tokens.to(logits.device)).nonzero()
+    def _count_divergence(self, logits: torch.Tensor, sequence: torch.Tensor) -> None:
+        """``logits`` ``[g, V]``: the exact model's raw logits of the ``g`` generated tokens of ``sequence``
+        ``[1, n + g]``; a token diverges where the call's processed scores (repetition penalty, bad words, ...)
+        would make exact greedy decoding choose another."""
+        n = self.input_ids.shape[1]
+        tokens = sequence[0, n:n + logits.shape[0]].to(logits.device)
+        scores = self.process_logits(sequence.to(logits.device), logits, n)
+        diff = (scores.argmax(-1) != tokens).nonzero()
         self.stats.divergent_tokens = int(diff.numel())
         self.stats.first_divergence = int(diff[0, 0]) if diff.numel() else None
 
@@ -360,7 +375,7 @@ class OptimisticCache(KVReuseCache):
             # every generated token was optimistic, the last one (never fed) included
             self.stats.swap_step = self.stats.optimistic_tokens = self.stats.generated_tokens
             if self.record_divergence:
-                self._count_divergence(out.logits[0], sequences[0, n:])
+                self._count_divergence(out.logits[0], sequences)
             self._replay = None
         finally:
             if self.release_donor:
