@@ -45,6 +45,18 @@ POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "
             "base_lr")
 BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "latent")
 
+#: named reuse modes (the pipeline's and ``hf-kvreuse bench``'s ``method=`` names): every policy by its own name,
+#: plus the OptimisticCache variants of ``"auto"`` (issue 23's comparison; the gate margin and repair ratio are the
+#: measured defaults, README "Optimistic decoding that keeps the answers")
+MODES: dict[str, dict] = {
+    **{p: dict(policy=p) for p in POLICIES},
+    "auto-verify": dict(policy="auto", rebase="verify"),
+    "auto-commit": dict(policy="auto", rebase="commit"),
+    "auto-commit-gate": dict(policy="auto", rebase="commit", method_kwargs=dict(gate=0.5)),
+    "auto-commit-repair": dict(policy="auto", rebase="commit", method_kwargs=dict(repair="blend",
+                                                                                   repair_ratio=0.15)),
+}
+
 
 @dataclass
 class SessionStats:
@@ -159,6 +171,11 @@ class ReuseSession:
     method_kwargs : dict, optional
         Keyword arguments of the method's cache class (e.g. ``recompute_ratio`` for blend,
         ``max_optimistic_tokens`` for optimistic, ``source_model`` and ``mapper`` for translated).
+    rebase : {"verify", "commit"}, default="verify"
+        How ``"auto"`` / ``"optimistic"`` treat the tokens decoded before the exact cache is ready
+        (:class:`~hf_kvreuse.OptimisticCache`): "verify" keeps the answers (greedy output equals plain ``generate``;
+        streamers get verified tokens only); "commit" streams the optimistic tokens at once (lowest time to the
+        first token; answers may differ). ``method_kwargs["rebase"]`` wins over it.
 
     Examples
     --------
@@ -178,7 +195,7 @@ class ReuseSession:
     """
 
     def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
-                 min_donor_tokens: int = 32, method_kwargs: dict | None = None):
+                 min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify"):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if max_bytes <= 0:
@@ -187,6 +204,9 @@ class ReuseSession:
             raise ValueError("method_kwargs['source_cache'] is the source model's cache of ONE prompt; the session "
                              "would reuse it for every later prompt. Leave it out: the session prefills the source "
                              "model for each prompt")
+        if rebase not in ("verify", "commit"):
+            raise ValueError(f"rebase={rebase!r}: choose 'verify' (keeps the answers) or 'commit' (fastest)")
+        self.rebase = rebase
         self.model = model
         self.max_bytes = int(max_bytes)
         self.policy = policy
@@ -205,6 +225,16 @@ class ReuseSession:
                          for layer in DynamicCache(config=_generation_config_model(model).config).layers]
         if any(self._windows):
             self._check_policy_for_sliding(policy)
+
+    @classmethod
+    def for_method(cls, model, method: str, **kwargs) -> "ReuseSession":
+        """A session for one of the named :data:`MODES` (e.g. ``"auto-commit"``); ``kwargs`` go to the constructor
+        (``method_kwargs`` given here update the mode's)."""
+        if method not in MODES:
+            raise ValueError(f"method={method!r}: choose one of {sorted(MODES)}")
+        mode = dict(MODES[method])
+        mk = {**mode.pop("method_kwargs", {}), **(kwargs.pop("method_kwargs", None) or {})}
+        return cls(model, **{**mode, **kwargs}, method_kwargs=mk)
 
     # -- what is held ----------------------------------------------------------------------------------------
     @property
@@ -447,7 +477,8 @@ class ReuseSession:
             exact = [d in trusted for d in donors]
             # held caches were made by this model (under some adapter): no donor probe
             return OptimisticCache(self.model, ids, caches, dids, donor_exact=exact,
-                                   **{"min_span": self.min_span, "verify_donor": False, **kw}), used
+                                   **{"min_span": self.min_span, "verify_donor": False, "rebase": self.rebase,
+                                      **kw}), used
         return self._block_cache(method, ids, entries, al, kw, producer), used
 
     def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict, producer: str):

@@ -254,12 +254,27 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
 
     # -- hooks called by hf_kvreuse.generation.KVReuseGenerationMixin ---------------------------------------
     def prepare(self, model, input_ids: torch.Tensor, generate_kwargs: dict) -> None:
-        """Called once right before ``generate`` starts; assemble the cache here."""
+        """Called once right before ``generate`` starts; assemble the cache here (subclasses call
+        :meth:`begin_generate` first, as this default does)."""
+        self.begin_generate(model, input_ids, generate_kwargs)
 
     def set_logits_processor(self, processors, generation_config) -> None:
         """Called by the mixin once per ``generate`` with the logits processors (warpers included) it applies to
         every step's logits, and its generation config."""
         self.logits_processor, self.generation_config = processors, generation_config
+
+    def set_stopping_criteria(self, criteria) -> None:
+        """Called by the mixin with the stopping criteria ``generate`` built for this call."""
+        self._stopping_criteria = criteria
+
+    def continuing_parts(self):
+        """``(logits processors, stopping criteria)`` a continuing ``generate`` of the same call must reuse
+        instead of building its own (a cache that drives several generates), or None."""
+        return None
+
+    def drive(self, model, generate_kwargs: dict):
+        """Run the call's ``generate`` after :meth:`prepare` (default: transformers' own, once)."""
+        return model._stock_generate(**generate_kwargs)
 
     def process_logits(self, history: torch.Tensor, logits: torch.Tensor, start: int) -> torch.Tensor:
         """The scores ``generate`` chooses from: row ``i`` of ``logits`` ``[T, V]`` (raw, the token at position

@@ -46,6 +46,8 @@ _ENABLED: dict[type, type] = {}
 #: set while the mixin runs transformers' own generate (its ``super().generate``): the routing wrapper of
 #: :func:`install_routing` then steps aside
 _IN_MIXIN: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_in_mixin", default=False)
+#: the hf_kvreuse cache whose first generate runs in this context (its hooks see generate's own parts)
+_RUNNING: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_running_cache", default=None)
 
 
 def _find_cache(kwargs: dict) -> ReuseCacheHooks | None:
@@ -124,7 +126,11 @@ class KVReuseGenerationMixin(GenerationMixin):
         error, out = None, None
         try:
             cache.prepare(self, input_ids, kwargs)
-            out = self._stock_generate(**kwargs)
+            token = _RUNNING.set(cache)
+            try:
+                out = cache.drive(self, kwargs)
+            finally:
+                _RUNNING.reset(token)
             return out
         except BaseException as e:
             error = e
@@ -186,13 +192,28 @@ class KVReuseGenerationMixin(GenerationMixin):
 
     def _get_logits_processor(self, *args, **kwargs):
         # the processors (and warpers) generate applies to every step's logits: a cache that compares its own
-        # logits with generate's choices (divergence counts, draft verification) must apply the same ones
-        processors = super()._get_logits_processor(*args, **kwargs)
+        # logits with generate's choices (divergence counts, draft verification) must apply the same ones; a
+        # continuing generate of the same call reuses the first one's (built for the original prompt length)
         bound = _bind_method(GenerationMixin._get_logits_processor, self, args, kwargs)
         cache = find_cache(bound.get("model_kwargs") or {})
-        if isinstance(cache, ReuseCacheHooks) and cache.phase == "active":
+        active = isinstance(cache, ReuseCacheHooks) and cache.phase == "active"
+        if active and cache.continuing_parts() is not None:
+            return cache.continuing_parts()[0]
+        processors = super()._get_logits_processor(*args, **kwargs)
+        if active:
             cache.set_logits_processor(processors, bound.get("generation_config"))
         return processors
+
+    def _get_stopping_criteria(self, *args, **kwargs):
+        # the cache of this thread's running generate (a cache that drives several generates of one call sees
+        # the stopping rules built for the original prompt, and the continuing one reuses them)
+        cache = _RUNNING.get()
+        if cache is not None and cache.continuing_parts() is not None:
+            return cache.continuing_parts()[1]
+        criteria = super()._get_stopping_criteria(*args, **kwargs)
+        if cache is not None:
+            cache.set_stopping_criteria(criteria)
+        return criteria
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         extra = {}
