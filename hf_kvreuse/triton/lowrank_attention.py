@@ -40,6 +40,8 @@ import math
 
 import torch
 
+from . import sizing
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 
@@ -324,10 +326,10 @@ def lowrank_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torc
     n_rows = G * q
     block_d = max(16, triton.next_power_of_2(D))
     block_r = max(16, triton.next_power_of_2(r))
-    # tiles sized for the ~100-200 KB of shared memory of an A100 / H100 (float32 tiles take twice the room)
-    wide = value.element_size() == 4 or block_d > 128
-    block_m = min(64 if wide else 128, max(16, triton.next_power_of_2(n_rows)))
-    block_n = (32 if wide else 64) if block_m >= 64 else (64 if wide else 128)  # decode: few rows, long key tiles
+    # tiles, warps and stages for the dtype, head dim, rank and the GPU's shared memory (see attention_tiles)
+    tile = sizing.attention_tiles(value.element_size(), block_d, sizing.target(value.device).shared_memory,
+                                  rows=n_rows, block_r=block_r)
+    block_m, block_n = tile.block_m, tile.block_n
     n_mblocks = triton.cdiv(n_rows, block_m)
     splits = num_splits or _num_splits(n_mblocks * B * Hkv, T, block_n, value.device)
     split_tokens = triton.cdiv(triton.cdiv(T, splits), block_n) * block_n
@@ -344,18 +346,19 @@ def lowrank_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torc
         lse = torch.empty(B * Hkv * splits * n_rows_pad, **f32)
     else:
         wv = wl = lse = out  # never touched
-    # Triton's interpreter multiplies bfloat16 dot operands wrongly (as raw bits): off CUDA the operands are
-    # widened to float32 after the same roundings, which is exact (products of 8/11-bit mantissas fit float32)
-    upcast = value.device.type != "cuda"
+    # Triton's interpreter multiplies bfloat16 dot operands wrongly (as raw bits): while it runs (whatever the
+    # tensors' device) the operands are widened to float32 after the same roundings, which is exact (products of
+    # 8/11-bit mantissas fit float32)
+    upcast = sizing.interpreted(kernel)
     precision = "ieee" if value.dtype == torch.float32 or upcast else "tf32"  # float32 stays float32 (no TF32)
-    num_warps = 8 if block_m >= 128 else 4
     kernel[(n_mblocks, B * Hkv, splits)](
         query, key, value, L, Bw, s, mask, out, wv, wl, lse,
         Hkv, G, q, T, D, r, float(scaling) * LOG2E, split_tokens, n_rows_pad,
         *query.stride(), *key.stride(), *value.stride(), *L.stride(), *Bw.stride(), s.stride(0),
         sm_b, sm_q, sm_t, *out.stride(),
         MASK_KIND=kind, CAUSAL=causal, SPLIT=splits > 1, PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=num_warps, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     if splits > 1:
         merge[(n_mblocks, B * Hkv)](
             Bw, s, out, wv, wl, lse, Hkv, G, q, D, r, splits, n_rows_pad,
