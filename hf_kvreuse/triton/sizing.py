@@ -110,14 +110,20 @@ def attention_tiles(element_size: int, block_d: int, shared_memory: int, rows: i
     and of Q, and with IEEE float32 (no tensor cores: ``tl.dot`` on FMAs) of the operand tiles too. The sizes
     below keep that share at 16-32 values (half precision ``M x D <= 8192`` over 4-8 warps; float32 16-32 rows)
     and are the largest that compiled without a register spill for both sm_80 and sm_90 in the compile check's
-    sweep (64 x 64 with 4 warps spilled from head dim 128 on, float32 at 64 x 32). Few query rows (decode)
-    take 16-row tiles. Then the pipelining depth: 2 stages where :func:`attention_smem` fits the target, else
+    sweep (64 x 64 with 4 warps spilled from head dim 128 on, float32 at 64 x 32). The low-rank kernel's
+    extra ``[M, r]`` accumulator and ``[N, r]`` tile (``block_r``) halve the key tiles, and the rows too past
+    ``D + r = 144`` (bfloat16, head dim 128, rank 64: 64 x 64 spilled 784 B, 32 x 64 none). Few query rows
+    (decode) take 16-row tiles. Then the pipelining depth: 2 stages where :func:`attention_smem` fits the target, else
     1, else narrower key tiles, then fewer rows (GPUs with ~100 KB per block: sm_86, sm_89, sm_120). An
     explicit ``block_m`` / ``block_n`` keeps the rest of the rule."""
     if element_size == 4:
         bm, bn, warps = (32, 32, 4) if block_d <= 64 else (16, 32, 4) if block_d <= 128 else (16, 32, 8)
     else:
         bm, bn, warps = (64, 64, 4) if block_d <= 64 else (64, 64, 8) if block_d <= 128 else (32, 64, 8)
+    if block_r:  # low-rank attention also holds an [M, r] accumulator and an [N, r] tile: narrower tiles
+        bn = max(16, bn // 2)
+        if block_d + block_r > 144:
+            bm = max(16, bm // 2)
     if rows is not None:
         bm = min(bm, max(16, 1 << max(rows - 1, 0).bit_length()))
     bm, bn = block_m or bm, block_n or bn
