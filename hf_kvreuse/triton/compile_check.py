@@ -38,6 +38,7 @@ import json
 import multiprocessing
 import os
 import re
+import subprocess
 import sys
 import time
 import warnings
@@ -112,12 +113,12 @@ def cases(full: bool = True) -> list[Case]:
 def _run_launcher(case: Case) -> None:
     """Call the library's launcher for ``case`` on small CPU tensors (the kernels are recorders meanwhile)."""
     dtype, D = DTYPES[case.dtype], case.head_dim
-    z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt)  # noqa: E731
+    z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt)  # noqa: E731  (values never matter)
     if case.kernel == "selected_attention":
         from .selected_attention import selected_attention_triton
 
         gqa = int(case.variant[3:].split("-")[0])
-        Hkv, R, N = 2, 24, 80
+        Hkv, R, N = 2, 100, 160  # more rows than the largest tile: the launcher's full-size tiles
         q = z(1, R, Hkv * gqa, D).transpose(1, 2)  # the layouts of the engine: q / out views of [B, R, H, D]
         out = z(1, R, Hkv * gqa, D).transpose(1, 2)
         k, v = z(1, Hkv, N, D), z(1, Hkv, N, D)
@@ -284,10 +285,11 @@ def check_limits(res: Result, target: sizing.Target) -> list[str]:
     return problems
 
 
-def _describe(case: Case, target_name: str, i: int) -> tuple:
-    """(cache key, Result skeleton, prepared compile inputs) of launch ``i`` of ``case``."""
+def _describe(case: Case, target_name: str, i: int, launch: tuple | None = None) -> tuple:
+    """(cache key, Result skeleton, prepared compile inputs) of launch ``i`` of ``case`` (``launch``: it, when
+    already recorded)."""
     target = TARGETS[target_name]
-    fn, _, args, kwargs = launches(case, target)[i]
+    fn, _, args, kwargs = launch or launches(case, target)[i]
     gpu, backend, src, options = _prepare(fn, args, kwargs, target)
     constexprs = {fn.arg_names[k[0]]: v for k, v in src.constants.items()
                   if fn.arg_names[k[0]].isupper()}  # the kernel's own BLOCK_* / flags, not specialised 1s
@@ -322,8 +324,8 @@ def run(selected: list[Case], targets: list[str], jobs: int | None = None, log=p
     results, todo, seen = [], {}, {}
     for case in selected:
         for t in targets:
-            for i in range(len(launches(case, TARGETS[t]))):
-                key, res, _ = _describe(case, t, i)
+            for i, launch in enumerate(launches(case, TARGETS[t])):
+                key, res, _ = _describe(case, t, i, launch)
                 results.append((key, res))
                 cached = seen.get(key)
                 if cached is None and os.path.exists(_cache_path(key)):
@@ -363,6 +365,24 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def compare(before: dict, after: dict) -> str:
+    """A markdown table of the launches two result documents (``--json`` outputs) have in common."""
+    key = lambda r: (r["case"], r["target"], r["kernel"])  # noqa: E731
+    old = {key(r): r for r in before["results"] if r["shared"] >= 0}
+
+    def cell(r: dict) -> str:
+        tiles = "x".join(str(v) for k, v in r["constexprs"].items() if k in ("BLOCK_M", "BLOCK_N"))
+        return (f"{tiles}, {r['num_warps']}w/{r['num_stages']}s | {r['shared']:,} | {r['registers']} | "
+                f"{r['spill_stores']:,}")
+
+    lines = ["| case | target | before: tiles, warps/stages | shared B | regs | spills B | after: tiles, "
+             "warps/stages | shared B | regs | spills B |", "|" + "---|" * 10]
+    for r in after["results"]:
+        if key(r) in old and r["kernel"] != "lowrank_merge_kernel":
+            lines.append(f"| {r['case']} | {r['target']} | {cell(old[key(r)])} | {cell(r)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="every case (default: the representative subset)")
@@ -371,7 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--json", help="write the results here ('-' for stdout)")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="print a table of two --json outputs' common launches and exit")
     args = ap.parse_args(argv)
+    if args.compare:
+        with open(args.compare[0]) as f, open(args.compare[1]) as g:
+            print(compare(json.load(f), json.load(g)))
+        return 0
     selected = cases(full=args.full or bool(args.only))
     if args.only:
         selected = [c for c in selected if c.name in set(args.only)]
@@ -383,7 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = run(selected, args.targets, args.jobs, log=lambda m: print(m, file=sys.stderr))
     wall = time.perf_counter() - t0
-    doc = dict(triton=triton.__version__, targets={t: asdict(TARGETS[t]) for t in args.targets},
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        commit = None
+    doc = dict(command="python -m hf_kvreuse.triton.compile_check " + " ".join(argv if argv is not None else
+                                                                               sys.argv[1:]),
+               git_commit=commit, triton=triton.__version__, targets={t: asdict(TARGETS[t]) for t in args.targets},
                wall_s=round(wall, 1), results=[dict(asdict(r), ok=r.ok) for r in results])
     if args.json == "-":
         print(json.dumps(doc))
