@@ -28,8 +28,9 @@ def _no_tf32():
 def test_selected_attention_every_head_dim(dtype, D):
     """The selected-row kernel at GQA 4 over 300 columns, 100 scattered rows, against the torch reference.
 
-    Planted bug that fails it: fixed 64 x 64 tiles with 3 stages (the code before issue 22): float32 at head dim
-    128 on an A100, 256 on an H100 / H200, raise ``OutOfResources``."""
+    Planted bug that fails it (not checked: no GPU was lent): fixed 64 x 64 tiles with 3 stages (the code before
+    issue 22): float32 at head dim 128 on an A100, 256 on an H100 / H200, raise ``OutOfResources`` (the compile
+    check's figures: 181,504 B and 345,344 B of shared memory)."""
     from hf_kvreuse.triton.selected_attention import selected_attention_torch, selected_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(D)
@@ -50,8 +51,8 @@ def test_lowrank_attention_every_head_dim(dtype, D, q_len):
     """Low-rank value attention, causal prefill (96 queries) and a decode step (split keys), rank 8, against the
     torch reference (float32 reference for the half-precision kernels: it rounds less).
 
-    Planted bug that fails it: the interpreter's float32 widening keyed on the device being CUDA-less, off here
-    under ``TRITON_INTERPRET=1`` (run with it set) — or any tile that does not fit the GPU (``OutOfResources``)."""
+    Planted bug that fails it (not checked: no GPU was lent): the merge of the key splits weighs every split
+    equally (no log-sum-exp): the decode step differs."""
     from hf_kvreuse.triton.lowrank_attention import lowrank_attention_torch, lowrank_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(D + q_len)

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("triton")
 
 from hf_kvreuse.triton import compile_check as cc  # noqa: E402
+from hf_kvreuse.triton import sizing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = cc.cases(full=False)
@@ -51,11 +52,19 @@ def rest_results():
 
 
 def _fits(results: dict, case, target: str) -> None:
+    """Every launch of ``case`` fits ``target``; an attention launch also needs no more shared memory than
+    :func:`sizing.attention_smem` estimates (the bound that sizes launches for GPUs the check does not compile for)."""
     got = results.get((case.name, target))
     assert got, f"{case.name} was not compiled for {target}"
     bad = [f"{r['kernel']} ({r['constexprs']}, {r['num_warps']} warps, {r['num_stages']} stages): "
            f"{'; '.join(r['problems'])}" for r in got if not r["ok"]]
     assert not bad, f"{case.name} on {target}: " + " | ".join(bad)
+    for r in got:
+        c = r["constexprs"]
+        if r["kernel"] in ("selected_attention_kernel", "lowrank_attention_kernel"):
+            est = sizing.attention_smem(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_D"], cc.DTYPES[case.dtype].itemsize,
+                                        r["num_stages"], c.get("BLOCK_R", 0))
+            assert r["shared"] <= est, f"{r['kernel']}: {r['shared']:,} B > the estimate {est:,} B"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -79,8 +88,9 @@ def test_every_shape_fits_the_target(rest_results, case, target):
     ``k_valid`` mask, low-rank prefill and split-K decode (with its merge kernel), ranks 8 and 64, and the
     element-wise kernels at head dims 80 and 256.
 
-    Planted bug that fails it: :func:`hf_kvreuse.triton.sizing.attention_tiles` always returns the half-precision
-    tiles (64 x 64 with 4 warps at head dim 64: float32 spills on sm_80 and sm_90)."""
+    Planted bug that fails it: the low-rank epilogue always a ``tl.dot`` on the ``[r, D]`` float32 tile of B (no
+    column loop): rank 64 at head dim 256 spills 268 B per thread on sm_80, 248 B on sm_90. (The code before
+    issue 22 fails it too: e.g. low-rank bf16 prefill at head dim 128 spilled 29-38 KB per thread.)"""
     _fits(rest_results, case, target)
 
 

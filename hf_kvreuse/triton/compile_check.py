@@ -55,7 +55,7 @@ TARGETS = {"sm_80": sizing.Target((8, 0), sizing.SMEM_OPTIN[(8, 0)]),
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 80, 96, 128, 256)
 #: spilled bytes per thread tolerated: a few stack slots where ptxas stops near its register cap (8 warps: 128
-#: registers per thread in some kernels); the launches before issue 22 spilled 29-76 KB per thread
+#: registers per thread in some kernels); float32 launches before issue 22 spilled up to 77 KB per thread
 SPILL_LIMIT = 64
 
 
@@ -197,6 +197,10 @@ def launches(case: Case, target: sizing.Target) -> list[tuple]:
 
 @dataclass
 class Result:
+    """One compiled launch: what was compiled (kernel, its ``BLOCK_*`` / flag constexprs, warps, stages), what it
+    needs (shared memory in bytes; ptxas's registers per thread and spilled bytes per thread) and what exceeds the
+    target (``problems``)."""
+
     case: str
     target: str
     kernel: str

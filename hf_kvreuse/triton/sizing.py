@@ -96,7 +96,7 @@ def attention_smem(block_m: int, block_n: int, block_d: int, element_size: int, 
     """Upper bound of a flash-attention kernel's shared memory (bytes): ``num_stages`` buffered key tiles (K and V,
     plus a ``[N, block_r]`` low-rank tile), Q and a tile of its size for layout conversions, a P tile and its
     ``[M, block_r]`` companion, plus 8 KB. Above every size Triton 3.9 allocated in the compile check for sm_80
-    and sm_90 (e.g. 98,816 B for bfloat16, head dim 128, 64 x 64 tiles, 2 stages: estimated 114,688 B)."""
+    and sm_90 (e.g. 82,432 B on sm_90 for bfloat16, head dim 128, 64 x 64 tiles, 2 stages: estimated 114,688 B)."""
     keys = num_stages * block_n * (2 * block_d + block_r)
     return (keys + 2 * block_m * block_d + block_m * (block_n + block_r)) * element_size + 8192
 
