@@ -255,6 +255,31 @@ class ReuseSession:
             self._entries.clear()
             self._trajectory = None
 
+    def hold(self, ids, kv: KV, exact: bool, agent: str | None = None) -> None:
+        """Hold K/V computed elsewhere (e.g. a vLLM engine, through :mod:`hf_kvreuse.vllm.hf`) as a cache of ``ids``.
+
+        The caller vouches that this session's model computed them (:func:`hf_kvreuse.vllm.hf.to_session` checks
+        the store's model identity first); ``exact``: rows are what a plain prefill of ``ids`` computes (exact
+        prefixes), otherwise they serve as re-positioned donors only. Full-attention models only.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+        if any(self._windows):
+            raise ValueError("hold() takes full-attention K/V; this model has sliding-window layers")
+        if len(kv) != len(self._windows) or any(k.shape[-2] != ids.numel() for k, _ in kv):
+            raise ValueError(f"hold(): {len(kv)} layers of K/V for {ids.numel()} tokens do not match the model's "
+                             f"{len(self._windows)} layers")
+        from .fingerprint import model_fingerprint
+
+        with self._lock, self._state:
+            entry = _Entry(ids=ids, kv=kv, exact=bool(exact), agent=agent, nbytes=_storage_bytes(kv),
+                           producer=model_fingerprint(self.model))
+            if entry.nbytes > self.max_bytes:
+                raise ValueError(f"{entry.nbytes} bytes of K/V exceed the session's max_bytes={self.max_bytes}")
+            self._entries[self._next_key] = entry
+            self._next_key += 1
+            while self.nbytes > self.max_bytes:
+                self._entries.popitem(last=False)
+
     def held(self) -> list[dict]:
         """One row per held cache, least recently used first: tokens, exact, agent, bytes."""
         with self._state:
