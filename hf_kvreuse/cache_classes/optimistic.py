@@ -360,7 +360,7 @@ class OptimisticCache(KVReuseCache):
                          for sp in al.spans if sp.target_start >= exact_prefix]
                 if heads:
                     extra = torch.cat(heads).to(device)
-                    rows = unmatched
+                    rows = torch.unique(torch.cat([unmatched, extra]))
                     repaired = int(rows.numel() - unmatched.numel())
             if rows.numel():
                 partial_forward(self.model, ids, rows, kv)
@@ -640,7 +640,7 @@ def speculative_accept(p_scores: torch.Tensor, q_scores: torch.Tensor, drafts: t
     for i in range(g):
         t = int(drafts[i])
         u = torch.rand((), generator=generator, device=p.device)
-        if True:
+        if float(u) < min(1.0, float(p[i, t] / q[i, t].clamp_min(1e-30))):
             continue
         resid = (p[i] - q[i]).clamp_min(0)
         total = float(resid.sum())
