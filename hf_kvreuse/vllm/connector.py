@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: how long a request may wait for a save in flight that would extend its exact prefix (then it computes)
+SAVE_WAIT_S = 30.0
+
 
 @dataclass
 class LoadJob:
@@ -141,6 +144,8 @@ class KVReuseConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, tuple["Request", Claim, int]] = {}
         self._req_exact: dict[str, int | None] = {}   # req_id -> exact rows of its K/V (None: all)
         self._pending_saves: list[SaveJob] = []
+        # req_id -> (since, exact tokens) being stored, until the worker reports it (or SAVE_WAIT_S passed)
+        self._inflight: dict[str, tuple[float, list[int]]] = {}
         # worker side
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._layout: PagedLayout | None = None
@@ -163,14 +168,38 @@ class KVReuseConnector(KVConnectorBase_V1):
         params = (getattr(request, "kv_transfer_params", None) or {}).get("hf_kvreuse") or {}
         return getattr(self, name) and bool(params.get(name, True))
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._option(request, "load") or request.lora_request is not None or request.mm_features:
             return 0, False
+        prompt = list(request.prompt_token_ids or [])
         entries = self.store.for_model(self.identity)
-        claim = plan_claim(request.prompt_token_ids or [], entries, self.block_size,
-                           spans=self._option(request, "spans"), min_span=self.min_span)
+        claim = plan_claim(prompt, entries, self.block_size, spans=self._option(request, "spans"),
+                           min_span=self.min_span)
+        if self._waits_for_save(prompt, claim.end):
+            return None, False  # a finished request's K/V are being stored: ask again next step
         self._claims[request.request_id] = claim
         return max(0, claim.end - num_computed_tokens), False
+
+    def _waits_for_save(self, prompt: list[int], claimed: int) -> bool:
+        """Whether a save still in flight would let this request claim at least one more block (a follow-up
+        request that arrives while its predecessor's K/V are being written waits a step rather than recomputing)."""
+        limit = len(prompt) - 1
+        now = time.monotonic()
+        for since, tokens in self._inflight.values():
+            if now - since > SAVE_WAIT_S:
+                continue
+            p = 0
+            for a, b in zip(tokens[:limit], prompt):
+                if a != b:
+                    break
+                p += 1
+            if p // self.block_size * self.block_size > claimed:
+                return True
+        return False
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._inflight.pop(req_id, None)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         claim = self._claims.pop(request.request_id, None)
@@ -216,6 +245,7 @@ class KVReuseConnector(KVConnectorBase_V1):
         if known[0] is not None and known[1] >= n and known[0].length == n:
             return False, None  # the store has these rows, as exact
         self._pending_saves.append(SaveJob(request.request_id, tokens, list(block_ids), exact_len))
+        self._inflight[request.request_id] = (time.monotonic(), tokens[:exact_len])  # exact rows only
         return True, None
 
     def has_pending_push_work(self) -> bool:
