@@ -28,7 +28,8 @@ What it does, per request:
   and dtype, :mod:`~hf_kvreuse.vllm.identity`) says how many tokens past vLLM's own computed ones the connector
   supplies (whole blocks; never the last prompt token); at the end of a request its blocks are kept until the
   worker has written them to the store (``request_finished`` returns True), so the answer's K/V serve later
-  requests too;
+  requests too; a request that a save still in flight would serve better waits for it (``None``: asked again
+  next step, at most ``SAVE_WAIT_S``);
 * **worker side**: ``start_load_kv`` first writes finished requests to the store, then reads each planned piece
   (verified: sha256, digests, shapes, finite values, model identity), re-positions spans with the library's
   :class:`~hf_kvreuse.rope.RopeShifter` and writes the rows into the paged blocks through the layout that
