@@ -339,8 +339,8 @@ def test_two_forward_examples_match_the_caches_assembly():
 def test_leading_own_prefix_block(model):
     """The agent's own prefix as a block at token 0 (computed standalone: exact) gives what computing the prefix
     gives, and the second call with the same store reads the bridge's read-out from the chunk (no prefix row
-    computed again). Planted bug: the stored read-out taken from the block's first row instead of its last ->
-    the second call's logits differ."""
+    computed again). Planted bug: the leading block's last row not read from the stored read-out
+    (`from_store = want < lead_end - 1`) -> the second call computes it again (recomputed_tokens)."""
     pa, pb, blk, q = _parts(40)
     ids = torch.cat([pb, blk, q], 1)
     bridge = _bridge(model, 3)
@@ -392,10 +392,12 @@ def test_latents_plus_tail_match_trainer_and_tail_baseline(model):
 
 
 @needs_offset
-def test_multi_layer_attention_pooled_bridge_matches_trainer(model):
-    """A bridge reading two layers, last row plus attention pooling over every prefix row: the cache computes what
-    the trainer optimises (features from the stored hidden states). Planted bug: the pooling run over the prefix
-    and the block rows (`want = arange(e)`) -> logits differ."""
+def test_multi_layer_attention_pooled_bridge(model):
+    """A bridge reading two layers, last row plus attention pooling over every prefix row: with the block under its
+    own prefix (exact K/V) the cache equals the model's own forward over [prefix+block, latents, question] with the
+    latents made from the model's own hidden states of the prefix; and the trainer's student (features from the
+    stored hidden states) equals the cache. Planted bug: the pooling run over the prefix and the block rows
+    (`want = arange(e)`) -> the first comparison fails."""
     from hf_kvreuse.latent.train import student_logits
 
     torch.manual_seed(3)
@@ -405,11 +407,18 @@ def test_multi_layer_attention_pooled_bridge_matches_trainer(model):
             p.normal_(0, 0.3)
     pa, pb, blk, q = _parts(42)
     ids = torch.cat([pb, blk, q], 1)
+    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids="own"), new=3)
+    gen = out.sequences[:, ids.shape[1]:]
+    with torch.no_grad():
+        hs = model(input_ids=ids[:, :9], output_hidden_states=True).hidden_states
+        z = bridge([torch.stack([hs[-1][0], hs[2][0]])])  # layer -1 (final norm), layer 1
+    want, _ = _manual_logits(model, ids, 39, z, gen)
+    torch.testing.assert_close(torch.stack(out.logits)[:, 0], want, atol=2e-4, rtol=2e-4)
     ex = make_example(model, ids, (9, 39), pa[0], n_answer=2, top_k=8, read_layers=(1, -1))
     with torch.no_grad():
         s = student_logits(model, bridge, ex)
-    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0]), new=1)
-    torch.testing.assert_close(s[0], out.logits[0][0], atol=2e-4, rtol=2e-4)
+    got = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0]), new=1)
+    torch.testing.assert_close(s[0], got.logits[0][0], atol=2e-4, rtol=2e-4)
 
 
 def test_staged_training_runs_all_stages_and_resumes(tmp_path):
