@@ -1,14 +1,35 @@
 """The model screen of LatentRemedy (README): full-prefill accuracy and the direct-reuse drop per family, from the
 JSON files of ``benchmarks/latent_remedy.py --methods full reuse`` runs, re-scored with the current
-``is_correct`` (the records are regenerated from their seed).
+``is_correct`` (the records are regenerated from their seed), and (``--data``) from the screens that
+``python -m hf_kvreuse.latent.data`` keeps in its shards (float32; direct reuse "keeps the answer" when its
+teacher-forced argmax is the full prefill's answer at every position, so its accuracy there is
+full-correct-and-kept).
 
     python scripts/latent_screen_table.py benchmarks/results/latent_screen_qwen2.5-0.5b.json [...]
+    python scripts/latent_screen_table.py --data DATA/train DATA/dev DATA/dev_unused
 """
 
 import json
 import sys
 
 from hf_kvreuse.workflows import conflict_records, is_correct
+
+
+def main_data(paths):
+    """``paths``: shard folders of ``python -m hf_kvreuse.latent.data`` (every ``<family>_<seed>-<start>.json``)."""
+    from pathlib import Path
+
+    table = {}
+    for folder in paths:
+        for shard in sorted(Path(folder).glob("*_*-*.json")):
+            for row in json.load(open(shard)):
+                table.setdefault(row["family"], []).append(row)
+    print("| family | examples (records x 2) | full prefill | direct reuse | drop |")
+    print("|---|---|---|---|---|")
+    for fam, rows in sorted(table.items()):
+        f = sum(r["full_ok"] for r in rows) / len(rows)
+        u = sum(r["full_ok"] and r["reuse_agree"] for r in rows) / len(rows)
+        print(f"| {fam} | {len(rows)} | {100 * f:.0f}% | {100 * u:.0f}% | {100 * (f - u):+.0f} pts |")
 
 
 def main(paths):
@@ -37,4 +58,7 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--data"]:
+        main_data(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -23,6 +23,7 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -239,7 +240,9 @@ class TrainConfig:
 
 
 def _cpu() -> float:
-    return time.process_time()
+    # this thread's CPU seconds: with one intra-op thread the work runs in the calling thread, and several runs
+    # may share a process (scripts/latent_ablations_threads.py)
+    return time.thread_time()
 
 
 def _git_commit() -> str:
@@ -323,6 +326,20 @@ def _save_state(out: Path, bridge: LatentBridge, opt, state: dict) -> None:
     (out / "state.json").write_text(json.dumps(state, indent=1, default=str))
 
 
+_INIT_LOCK = threading.Lock()
+
+
+def _initial_bridge(model, out: Path, cfg: TrainConfig, conf: dict, state_path: Path) -> LatentBridge:
+    if state_path.exists():
+        old = json.loads(state_path.read_text())["config"]
+        if {k: v for k, v in old.items() if k not in ("budget_cpu_s", "max_steps")} != \
+                {k: v for k, v in conf.items() if k not in ("budget_cpu_s", "max_steps")}:
+            raise ValueError(f"{out} holds a run with another configuration ({old}); use another --out")
+        return LatentBridge.load(out, model)
+    return LatentBridge(model, cfg.n_latent, cfg.hidden, layers=tuple(cfg.layers), read=cfg.read,
+                        tail_tokens=cfg.tail_tokens)
+
+
 def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True) -> LatentBridge:
     """Train (or resume) a bridge on precomputed examples (:mod:`hf_kvreuse.latent.data`) within
     ``cfg.budget_cpu_s`` CPU seconds: stage 1 free latents on ``cfg.stage1_examples`` examples, stage 2 regression
@@ -335,17 +352,13 @@ def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, 
     out.mkdir(parents=True, exist_ok=True)
     conf = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
     state_path = out / "state.json"
-    torch.manual_seed(cfg.seed)
+    with _INIT_LOCK:  # the seed and the bridge's initialisation together (runs may share a process)
+        torch.manual_seed(cfg.seed)
+        bridge = _initial_bridge(model, out, cfg, conf, state_path)
     if state_path.exists():
         state = json.loads(state_path.read_text())
-        if {k: v for k, v in state["config"].items() if k not in ("budget_cpu_s", "max_steps")} != \
-                {k: v for k, v in conf.items() if k not in ("budget_cpu_s", "max_steps")}:
-            raise ValueError(f"{out} holds a run with another configuration ({state['config']}); use another --out")
-        bridge = LatentBridge.load(out, model)
         state["config"] = conf
     else:
-        bridge = LatentBridge(model, cfg.n_latent, cfg.hidden, layers=tuple(cfg.layers), read=cfg.read,
-                              tail_tokens=cfg.tail_tokens)
         state = {"config": conf, "stage": 1 if cfg.stage1_examples else 3, "step": 0, "cpu_s": 0.0,
                  "stage_cpu_s": {}, "losses": [], "stage1": [], "stage2": [], "train_examples": len(data),
                  "git_commit": _git_commit()}
@@ -428,10 +441,7 @@ def statistics_mean(xs) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def main(argv=None) -> None:
-    from ..models import load_offline
-    from .data import load_examples
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_kvreuse.latent.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-0.5b", help="offline model name (smollm2, qwen2.5-0.5b, ...)")
@@ -449,31 +459,56 @@ def main(argv=None) -> None:
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
     p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    return p
+
+
+def run(argv, model=None, loaded: dict | None = None) -> dict:
+    """One training command (see :func:`main`); ``model`` and ``loaded`` (data folder -> examples) may be shared
+    by several runs in one process (``scripts/latent_ablations_threads.py``: one model copy in memory)."""
+    from .data import load_examples
+
+    a = _parser().parse_args(argv)
     cfg = TrainConfig(**{f.name: (tuple(getattr(a, f.name)) if f.name == "layers" else getattr(a, f.name))
                          for f in fields(TrainConfig)})
-    model, tok = load_offline(a.model, dtype=getattr(torch, a.dtype))
-    from ..generation.mixin import enable
+    if model is None:
+        from ..generation.mixin import enable
+        from ..models import load_offline
 
-    enable(model)
-    data = load_examples(a.data, a.families, a.max_per_family)
+        torch.set_num_threads(a.threads)
+        model, _ = load_offline(a.model, dtype=getattr(torch, a.dtype))
+        enable(model)
+    loaded = {} if loaded is None else loaded
+    key = (a.data, tuple(a.families or ()), a.max_per_family)
+    if key not in loaded:
+        loaded[key] = load_examples(a.data, a.families, a.max_per_family)
+    data = loaded[key]
     t0 = time.perf_counter()
-    bridge = train_staged(model, data, a.out, cfg)
+    bridge = train_staged(model, data, a.out, cfg, progress=len(loaded) <= 1)
     wall = time.perf_counter() - t0
-    res = {"command": "python -m hf_kvreuse.latent.train " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m hf_kvreuse.latent.train " + " ".join(argv),
            "config": asdict(cfg), "families": sorted({ex.meta.get("family") for ex in data}),
            "train_examples": len(data), "bridge": bridge.info, "wall_s_this_run": wall, "date": time.strftime("%F %T")}
     if a.dev:
-        dev = load_examples(a.dev)
+        if a.dev not in loaded:
+            loaded[a.dev] = load_examples(a.dev)
+        dev = loaded[a.dev]
+        c0 = _cpu()
         res["dev"] = evaluate(model, bridge, dev, cfg.tail_tokens, cfg.batch)
         res["dev_reuse"] = evaluate(model, None, dev, 0, cfg.batch)
         res["dev_reuse_tail"] = evaluate(model, None, dev, cfg.tail_tokens, cfg.batch) if cfg.tail_tokens else None
+        res["dev_cpu_s"] = _cpu() - c0
     if a.result:
         Path(a.result).parent.mkdir(parents=True, exist_ok=True)
         Path(a.result).write_text(json.dumps(res, indent=1, default=str))
-    print(json.dumps({k: v for k, v in res.items() if k in ("bridge", "dev")}, indent=1, default=str))
+    return res
 
+
+def main(argv=None) -> None:
+    """Train a bridge on precomputed shards (resumable), optionally evaluate it on dev shards and write a result
+    JSON (config, seed, git commit, CPU seconds per stage, dev figures)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    res = run(argv)
+    print(json.dumps({k: v for k, v in res.items() if k in ("bridge", "dev")}, indent=1, default=str))
 
 if __name__ == "__main__":
     main()
