@@ -19,13 +19,16 @@ from hf_kvreuse.models import load_offline
 
 
 def commands(names):
-    """The argv of each named ablation, read from latent_ablations.sh (bash expands its variables)."""
+    """The argv of each named ablation as latent_ablations.sh runs it (its ``python`` replaced by an echo)."""
     out = {}
     for name in names:
-        line = subprocess.run(["bash", "-c", f"set -- {name}; source <(sed 's/^  \\([a-z0-9]*\\)) *\\$T/  \\1) echo $T/' "
-                               "scripts/latent_ablations.sh)"], capture_output=True, text=True).stdout.strip()
+        line = subprocess.run(["bash", "-c", 'python() { printf "%q " "$@"; }; export -f python; '
+                               f"bash scripts/latent_ablations.sh {shlex.quote(name)}"],
+                              capture_output=True, text=True).stdout.strip()
         argv = shlex.split(line)
-        out[name] = argv[3:]  # drop "python -m hf_kvreuse.latent.train"
+        if argv[:2] != ["-m", "hf_kvreuse.latent.train"]:
+            raise ValueError(f"unknown ablation {name!r}: {line}")
+        out[name] = argv[2:]
     return out
 
 
