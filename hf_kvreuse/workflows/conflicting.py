@@ -17,7 +17,11 @@ Every family's answers are checkable by construction (seeded generators, no mode
 * ``inventory``: each agent reports the stock of its own product in a stock list;
 * ``schedule``: each agent reports the time of its own event in a timetable;
 * ``squad-pair``: a real SQuAD passage with two of its questions whose answers differ; each agent's prefix
-  carries its own question.
+  carries its own question;
+* issue 25: ``phonebook`` (name -> extension, dotted leaders), ``prices`` (markdown table), ``gates`` (flight ->
+  gate sentences), ``specs`` (spec-sheet fields), ``json`` (a JSON object), ``rooms`` (guest -> room sentences),
+  ``code`` (Python functions returning constants), ``narrative`` (a prose story), ``minmax`` (most vs fewest units),
+  ``inverse`` (value -> key).
 
 :data:`TRAIN_FAMILIES` and :data:`HELDOUT_FAMILIES` are disjoint: a bridge is trained on the first and evaluated
 on the second.
@@ -29,11 +33,13 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-# chosen by the screen in README (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
-# direct reuse loses >= 15 points; the others (utility, count: the model cannot do them; order, years: reuse keeps
-# the answer) stay available for measurement
-TRAIN_FAMILIES = ("inventory", "schedule")
-HELDOUT_FAMILIES = ("retrieval", "extract")
+# chosen by the screens in README (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
+# direct reuse loses >= 15 points. Held out: retrieval and extract (lookup list, record card) and code (Python
+# source: another shape than every training family); the others (utility, count, gates, minmax, inverse, narrative:
+# the model cannot do them with full prefill; order, years, specs: reuse keeps most answers; json, rooms: not
+# screened) stay available for measurement
+TRAIN_FAMILIES = ("inventory", "schedule", "phonebook", "prices")
+HELDOUT_FAMILIES = ("retrieval", "extract", "code")
 QUESTION = "Give only your answer, nothing else."
 
 
