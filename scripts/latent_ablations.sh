@@ -19,8 +19,8 @@ case "$1" in
   # the shipped candidates: every training record (inventory 40, schedule 24, phonebook 24, prices 24 records:
   # 224 examples), started before the screen above had finished (the machine's CPU share did not allow waiting)
   final_plain)  python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev --budget-cpu-s ${BF:-1500} --lr 5e-3 \
---save-every 5 --threads 1 --out $D/runs/final_plain --result $R/latent_train_final_plain.json ;;
+--save-every 5 --threads 1 --compare shipped --out $D/runs/final_plain --result $R/latent_train_final_plain.json ;;
   final_tail16) python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev --budget-cpu-s ${BF:-1500} --lr 5e-3 \
---save-every 5 --threads 1 --tail-tokens 16 --out $D/runs/final_tail16 --result $R/latent_train_final_tail16.json ;;
+--save-every 5 --threads 1 --tail-tokens 16 --compare shipped --out $D/runs/final_tail16 --result $R/latent_train_final_tail16.json ;;
   *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16"; exit 2 ;;
 esac

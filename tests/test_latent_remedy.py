@@ -443,3 +443,36 @@ def test_staged_training_runs_all_stages_and_resumes(tmp_path):
     assert json.loads((tmp_path / "state.json").read_text())["step"] == 3
     for p in m.parameters():
         p.requires_grad_(True)
+
+
+def test_train_command_evaluates_every_variant_per_example(tmp_path):
+    """``python -m hf_kvreuse.latent.train --dev DIR --compare NAME=PATH`` (its :func:`run`) on shards written by
+    the data module: per example and variant rows, direct reuse re-evaluated equals what the shard stored, a bridge
+    compared from its saved checkpoint equals the trained one, Tail-k is a variant of its own. Planted bug:
+    `evaluate_rows` of direct reuse given the Tail-k (`tail_k=tail_k` for every variant) -> reuse rows differ from
+    the stored screen."""
+    import json
+
+    from hf_kvreuse.latent.data import reuse_agreement, save_shard
+    from hf_kvreuse.latent.train import run
+
+    m = enable(tiny_model("qwen2", seed=3))
+    exs = [_example_pair(m, 70 + i) for i in range(4)]
+    for i, (ex, ag) in enumerate(zip(exs, reuse_agreement(m, exs))):
+        ex.meta = {"family": "fam", "record": i, "direction": "a->b", "full_ok": True, "reuse_agree": ag}
+    save_shard(tmp_path / "train" / "fam_0-00000", exs)
+    save_shard(tmp_path / "dev" / "fam_7-00000", exs)
+    out, result = tmp_path / "run", tmp_path / "res.json"
+    res = run(["--data", str(tmp_path / "train"), "--dev", str(tmp_path / "dev"), "--out", str(out),
+               "--n-latent", "2", "--hidden", "8", "--batch", "2", "--max-steps", "1", "--baseline-tail", "8",
+               "--compare", f"same={out}", "--result", str(result)], model=m)
+    rows = res["dev_rows"]
+    assert set(rows) == {"bridge", "reuse", "tail8", "same"} and all(len(r) == 4 for r in rows.values())
+    assert [r["ok"] for r in rows["reuse"]] == [r["reuse_ok"] for r in rows["reuse"]]
+    assert [r["kl"] for r in rows["same"]] == [r["kl"] for r in rows["bridge"]]
+    assert [r["kl"] for r in rows["tail8"]] != [r["kl"] for r in rows["reuse"]]
+    saved = json.loads(result.read_text())
+    assert saved["command"].startswith("python -m hf_kvreuse.latent.train") and saved["bridge"]["step"] == 1
+    assert saved["dev_variants"]["reuse"]["all"]["acc"] == saved["dev"]["all"]["reuse_acc"]
+    for p in m.parameters():
+        p.requires_grad_(True)

@@ -293,30 +293,43 @@ def regress(bridge: LatentBridge, exs: list[Example], z: torch.Tensor, cfg: Trai
 
 
 @torch.no_grad()
-def evaluate(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8) -> dict:
-    """Teacher-forced figures per family on precomputed examples (no generation): ``agree`` = the student's argmax
-    equals the teacher's answer at every supervised position (the greedy answer would be the teacher's);
-    ``acc`` = agree and the teacher is right; ``reuse_acc`` the same for direct reuse (stored with the example);
-    ``recovered`` = ``(acc - reuse_acc) / (full_acc - reuse_acc)``; ``kl`` the mean loss."""
+def evaluate_rows(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8) -> list[dict]:
+    """Per example, teacher-forced (no generation): ``agree`` = the student's argmax equals the teacher's answer
+    at every supervised position (its greedy answer would be the full prefill's), ``ok`` = agree and the teacher is
+    right, ``reuse_ok`` the same for direct reuse (stored with the example), ``kl`` the loss."""
     rows = []
     for i in range(0, len(exs), batch):
         chunk = exs[i: i + batch]
         logits = student_logits_batch(model, bridge, chunk, tail_k=tail_k)
         for lg, ex in zip(logits, chunk):
             agree = bool((lg.argmax(-1) == ex.top_idx[:, 0]).all())
-            rows.append({"family": ex.meta.get("family", "?"), "agree": agree, "full_ok": ex.meta.get("full_ok", True),
-                         "reuse_agree": ex.meta.get("reuse_agree", False), "kl": float(kl_top_k(lg, ex))})
+            full_ok = bool(ex.meta.get("full_ok", True))
+            rows.append({"family": ex.meta.get("family", "?"), "record": ex.meta.get("record"),
+                         "direction": ex.meta.get("direction"), "agree": agree, "full_ok": full_ok,
+                         "ok": full_ok and agree, "reuse_ok": full_ok and bool(ex.meta.get("reuse_agree", False)),
+                         "kl": round(float(kl_top_k(lg, ex)), 5)})
+    return rows
+
+
+def summarize_rows(rows: list[dict]) -> dict:
+    """Per family and ``all``: ``full_acc``, ``acc``, ``reuse_acc``, ``agree``, ``recovered`` =
+    ``(acc - reuse_acc) / (full_acc - reuse_acc)``, ``kl``."""
     out = {}
     for fam in sorted({r["family"] for r in rows}) + ["all"]:
         sel = [r for r in rows if fam == "all" or r["family"] == fam]
         n = len(sel)
         full = sum(r["full_ok"] for r in sel) / n
-        acc = sum(r["full_ok"] and r["agree"] for r in sel) / n
-        reuse = sum(r["full_ok"] and r["reuse_agree"] for r in sel) / n
+        acc = sum(r["ok"] for r in sel) / n
+        reuse = sum(r["reuse_ok"] for r in sel) / n
         out[fam] = {"n": n, "full_acc": full, "acc": acc, "reuse_acc": reuse, "agree": sum(r["agree"] for r in sel) / n,
                     "recovered": (acc - reuse) / (full - reuse) if full > reuse else float("nan"),
                     "kl": sum(r["kl"] for r in sel) / n}
     return out
+
+
+def evaluate(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8) -> dict:
+    """Teacher-forced figures per family on precomputed examples (:func:`evaluate_rows`, :func:`summarize_rows`)."""
+    return summarize_rows(evaluate_rows(model, bridge, exs, tail_k, batch))
 
 
 def _save_state(out: Path, bridge: LatentBridge, opt, state: dict) -> None:
@@ -340,12 +353,14 @@ def _initial_bridge(model, out: Path, cfg: TrainConfig, conf: dict, state_path: 
                         tail_tokens=cfg.tail_tokens)
 
 
-def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True) -> LatentBridge:
+def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True,
+                 stop_at: float | None = None) -> LatentBridge:
     """Train (or resume) a bridge on precomputed examples (:mod:`hf_kvreuse.latent.data`) within
     ``cfg.budget_cpu_s`` CPU seconds: stage 1 free latents on ``cfg.stage1_examples`` examples, stage 2 regression
     of the bridge onto them, stage 3 distillation (batches of ``cfg.batch``) until the budget is spent.
     ``out`` holds the bridge, the optimiser state and ``state.json`` (stage, step, CPU seconds spent); rerunning
-    resumes. With ``stage1_examples=0`` it is distillation from scratch."""
+    resumes. With ``stage1_examples=0`` it is distillation from scratch. ``stop_at`` (``time.time()``): stage 3
+    also stops at this wall-clock time (a shared machine; rerun to continue)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -409,7 +424,8 @@ def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, 
     if (out / "trainer.json").exists() and state["step"] > 0:
         _load_trainer(out, opt)
     bar = tqdm(initial=state["step"], desc="stage 3: distillation", disable=not progress)
-    while state["cpu_s"] < budget and (not cfg.max_steps or state["step"] < cfg.max_steps):
+    while state["cpu_s"] < budget and (not cfg.max_steps or state["step"] < cfg.max_steps) and \
+            (stop_at is None or time.time() < stop_at):
         t0 = _cpu()
         per_epoch = max(1, len(data) // cfg.batch)
         epoch, pos = divmod(state["step"], per_epoch)
@@ -422,7 +438,7 @@ def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, 
         torch.nn.utils.clip_grad_norm_(bridge.parameters(), 1.0)
         opt.step()
         state["step"] += 1
-        state["losses"].append(round(float(loss), 4))
+        state["losses"].append(round(float(loss.detach()), 4))
         spend("stage3", t0)
         bar.update(1)
         bar.set_postfix(loss=f"{statistics_mean(state['losses'][-20:]):.3f}", cpu=f"{state['cpu_s']:.0f}s")
@@ -459,6 +475,11 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compare", nargs="*", default=[],
+                   help="NAME=PATH (or shipped): other bridges evaluated on the dev shards too (e.g. the shipped one)")
+    p.add_argument("--baseline-tail", type=int, default=16, help="Tail-k baseline evaluated on the dev shards")
+    p.add_argument("--stop-at-wall", type=float, default=None,
+                   help="stage 3 stops at this wall-clock time (seconds since the epoch); rerun to continue")
     return p
 
 
@@ -483,7 +504,7 @@ def run(argv, model=None, loaded: dict | None = None) -> dict:
         loaded[key] = load_examples(a.data, a.families, a.max_per_family)
     data = loaded[key]
     t0 = time.perf_counter()
-    bridge = train_staged(model, data, a.out, cfg, progress=len(loaded) <= 1)
+    bridge = train_staged(model, data, a.out, cfg, progress=len(loaded) <= 1, stop_at=a.stop_at_wall)
     wall = time.perf_counter() - t0
     res = {"command": "python -m hf_kvreuse.latent.train " + " ".join(argv),
            "config": asdict(cfg), "families": sorted({ex.meta.get("family") for ex in data}),
@@ -493,9 +514,25 @@ def run(argv, model=None, loaded: dict | None = None) -> dict:
             loaded[a.dev] = load_examples(a.dev)
         dev = loaded[a.dev]
         c0 = _cpu()
-        res["dev"] = evaluate(model, bridge, dev, cfg.tail_tokens, cfg.batch)
-        res["dev_reuse"] = evaluate(model, None, dev, 0, cfg.batch)
-        res["dev_reuse_tail"] = evaluate(model, None, dev, cfg.tail_tokens, cfg.batch) if cfg.tail_tokens else None
+        # per example and variant, so that a table can pair them (Newcombe intervals of paired differences)
+        rows = {"bridge": evaluate_rows(model, bridge, dev, cfg.tail_tokens, cfg.batch),
+                "reuse": evaluate_rows(model, None, dev, 0, cfg.batch)}
+        if cfg.tail_tokens:
+            rows[f"tail{cfg.tail_tokens}"] = evaluate_rows(model, None, dev, cfg.tail_tokens, cfg.batch)
+        if a.baseline_tail and f"tail{a.baseline_tail}" not in rows:
+            rows[f"tail{a.baseline_tail}"] = evaluate_rows(model, None, dev, a.baseline_tail, cfg.batch)
+        res["compare"] = {}
+        for spec in a.compare:
+            name, path = spec.split("=", 1) if "=" in spec else (spec, spec)
+            other = LatentBridge.from_pretrained(model, None if path == "shipped" else path)
+            rows[name] = evaluate_rows(model, other, dev, other.tail_tokens, cfg.batch)
+            res["compare"][name] = {"path": path, "n_latent": other.n_latent, "tail_tokens": other.tail_tokens,
+                                    "info": other.info}
+        res["dev"] = summarize_rows(rows["bridge"])
+        res["dev_reuse"] = summarize_rows(rows["reuse"])
+        res["dev_reuse_tail"] = summarize_rows(rows[f"tail{cfg.tail_tokens}"]) if cfg.tail_tokens else None
+        res["dev_variants"] = {k: summarize_rows(v) for k, v in rows.items()}
+        res["dev_rows"] = rows
         res["dev_cpu_s"] = _cpu() - c0
     if a.result:
         Path(a.result).parent.mkdir(parents=True, exist_ok=True)
