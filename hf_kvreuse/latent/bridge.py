@@ -135,30 +135,24 @@ class LatentBridge(nn.Module):
 
     # -- persistence: safetensors + JSON ----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
-        """``path/bridge.safetensors`` + ``path/bridge.json`` (the model's identity inside)."""
-        from safetensors.torch import save_file
+        """``path/bridge.safetensors`` + ``path/bridge.json`` (the model's identity and the tensor file's sha256
+        inside)."""
+        from ..artifacts import write_artifact
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()},
-                  str(path / "bridge.safetensors"))
         meta = {"format": FORMAT, "version": VERSION, "n_latent": self.n_latent, "hidden": self.hidden,
                 "hidden_layer": self.hidden_layer, "layers": list(self.layers), "read": self.read,
                 "tail_tokens": self.tail_tokens, "d": self.d, "identity": self.identity, "info": self.info}
-        (path / "bridge.json").write_text(json.dumps(meta, indent=2, default=str))
-        return path
+        return write_artifact(path, "bridge", {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model) -> "LatentBridge":
-        """Load a checkpoint for ``model``; refuse (:class:`LatentBridgeMismatchError`) one made for another."""
-        from safetensors.torch import load_file
-
+        """Load a checkpoint for ``model``; refuse (:class:`LatentBridgeMismatchError`) one made for another, and
+        (:class:`hf_kvreuse.artifacts.CorruptArtifactError`) a file that changed since it was saved."""
+        from ..artifacts import read_artifact, read_meta
         from ..translation.mapper import _describe, model_identity
 
         path = Path(path)
-        if not (path / "bridge.json").exists():
-            raise FileNotFoundError(f"no LatentBridge at {path} (expected bridge.json and bridge.safetensors)")
-        meta = json.loads((path / "bridge.json").read_text())
+        meta = read_meta(path, "bridge", "LatentBridge")
         if meta.get("format") != FORMAT or meta.get("version") not in READABLE:
             raise ValueError(f"{path}: not a LatentBridge checkpoint of version {READABLE}")
         got = model_identity(model)
@@ -170,13 +164,11 @@ class LatentBridge(nn.Module):
                 "hf_kvreuse.latent.train")
         bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"], meta.get("layers"),
                      meta.get("read", "last"), meta.get("tail_tokens", 0))
-        state = load_file(str(path / "bridge.safetensors"))
+        state, meta = read_artifact(path, "bridge", "LatentBridge")  # sha256 and finite values verified
         want = bridge.state_dict()
         if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
             raise ValueError(f"{path}: the tensors in bridge.safetensors do not match bridge.json "
                              f"({sorted(state)} vs {sorted(want)})")
-        if not all(torch.isfinite(v.float()).all() for v in state.values()):
-            raise ValueError(f"{path}: bridge.safetensors holds non-finite values (a corrupted file?)")
         bridge.load_state_dict({k: v.float() for k, v in state.items()})
         bridge.info = meta.get("info", {})
         return bridge
