@@ -147,12 +147,12 @@ def markdown(path: str) -> str:
     """README table: ``python benchmarks/latent_ttft.py --table results.json``."""
     d = json.load(open(path))
     head = ("| block tokens | clock | " + " | ".join(METHODS)
-            + " | latent_pc / direct | latent_pc / direct_pc | latent_tail16_pc / direct |")
-    lines = [head, "|" + "---|" * (len(METHODS) + 5)]
+            + " | latent / direct | latent_pc / direct | latent_pc / direct_pc | latent_tail16_pc / direct |")
+    lines = [head, "|" + "---|" * (len(METHODS) + 6)]
     for n, r in sorted(d["sizes"].items(), key=lambda x: int(x[0])):
         for clock, key, rk in (("wall", "ttft_s", ""), ("CPU", "cpu_s", "cpu_")):
             lines.append(f"| {r['block_tokens']} | {clock} | " + " | ".join(f"{1000 * r[key][m]:.0f} ms" for m in METHODS)
-                         + f" | {r[rk + 'ratio_to_direct']['latent_pc']:.2f}x | "
+                         + f" | {r[rk + 'ratio_to_direct']['latent']:.2f}x | {r[rk + 'ratio_to_direct']['latent_pc']:.2f}x | "
                          f"{r[rk + 'ratio_to_direct_pc']['latent_pc']:.2f}x | "
                          f"{r[rk + 'ratio_to_direct']['latent_tail16_pc']:.2f}x |")
     return "\n".join(lines)
