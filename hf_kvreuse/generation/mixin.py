@@ -28,6 +28,7 @@ import inspect
 from transformers import GenerationMixin
 
 from ..compat import CACHE_KW, CACHE_NAMES, find_cache, prepare_inputs
+from ..inputs import unpack_generate_inputs
 from .protocol import ReuseCacheHooks
 
 _ENABLED: dict[type, type] = {}
@@ -87,6 +88,7 @@ class KVReuseGenerationMixin(GenerationMixin):
         if not args and _find_cache(kwargs) is None:
             return super().generate(inputs, **kwargs)
         kwargs = _bind_generate(self, inputs, args, kwargs)
+        unpack_generate_inputs(kwargs)  # generate(enc, cache=...) with a tokenizer's BatchEncoding
         # either keyword works on every supported release (and spares users a deprecation warning)
         _one_cache_keyword(kwargs)
         cache = _find_cache(kwargs)
