@@ -319,37 +319,39 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
 
     The folder may already hold a saved session (of this or another process): its manifest is replaced atomically,
     files of the same content are kept, and files no manifest names any more are deleted once older than
-    ``prune_after_s`` (so a reader that read the previous manifest finds them). The session is read under its
-    lock, between calls. The ``base_lr`` policy's trajectory (a :class:`~hf_kvreuse.BaseLRCache`) is not saved.
+    ``prune_after_s`` (so a reader that read the previous manifest finds them). The held caches are listed under
+    the session's lock, between calls, and written after it (calls may run meanwhile). The ``base_lr`` policy's
+    trajectory (a :class:`~hf_kvreuse.BaseLRCache`) is not saved.
     """
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     if getattr(session, "_trajectory", None) is not None:
         raise NotImplementedError("the base_lr policy's BaseLRCache trajectory cannot be saved yet (only the caches "
                                   "of the other policies are)")
+    import hf_kvreuse
+
     identity = _model_identity(session.model)
     lock = getattr(session, "_lock", None) or contextlib.nullcontext()
-    with lock:
+    with lock:  # a consistent snapshot between calls; held K/V are never written in place, so the files can be
+        # written after the lock is released (an entry evicted meanwhile stays alive through this list)
         entries = list(session._entries.values())  # least recently used first
         options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
                        min_donor_tokens=session.min_donor_tokens)
-        try:
-            json.dumps(session.method_kwargs)
-            options["method_kwargs"] = session.method_kwargs
-        except TypeError:  # models, mappers, ...: given again to load()
-            options["method_kwargs"] = None
-        with _dir_lock(folder):
-            records = []
-            for e in entries:
-                tensors, meta = entry_to_record(e)
-                name, sha, size = _write_tensors(folder, tensors, "kv-")
-                records.append(dict(file=name, sha256=sha, bytes=size, tokens=int(e.ids.numel()), fields=meta))
-            import hf_kvreuse
-
-            manifest = dict(format=FORMAT_SESSION, version=VERSION, library=hf_kvreuse.__version__,
-                            saved_at=time.time(), model=identity, session=options, entries=records)
-            _atomic_json(folder / "manifest.json", manifest)
-            _prune(folder, "kv-*.safetensors", {r["file"] for r in records}, prune_after_s)
+    try:
+        json.dumps(session.method_kwargs)
+        options["method_kwargs"] = session.method_kwargs
+    except TypeError:  # models, mappers, ...: given again to load()
+        options["method_kwargs"] = None
+    with _dir_lock(folder):
+        records = []
+        for e in entries:
+            tensors, meta = entry_to_record(e)
+            name, sha, size = _write_tensors(folder, tensors, "kv-")
+            records.append(dict(file=name, sha256=sha, bytes=size, tokens=int(e.ids.numel()), fields=meta))
+        manifest = dict(format=FORMAT_SESSION, version=VERSION, library=hf_kvreuse.__version__,
+                        saved_at=time.time(), model=identity, session=options, entries=records)
+        _atomic_json(folder / "manifest.json", manifest)
+        _prune(folder, "kv-*.safetensors", {r["file"] for r in records}, prune_after_s)
     return manifest
 
 

@@ -436,7 +436,8 @@ class ReuseSession:
         return session_repr(self)
 
     def save(self, path, **kwargs) -> dict:
-        """Write the held caches to the folder ``path`` (safetensors + JSON): :func:`hf_kvreuse.persist.save_session`."""
+        """Write the held caches to the folder ``path`` (safetensors + JSON):
+        :func:`hf_kvreuse.persist.save_session`."""
         from .persist import save_session
 
         return save_session(self, path, **kwargs)

@@ -231,7 +231,7 @@ def test_reader_while_another_process_writes(llama, tmp_path):
         s = ReuseSession(m, policy="prefix", max_bytes=200_000)
         store = ChunkStore(disk=DiskTier({str(tmp_path / 'tier')!r}, max_bytes=60_000))
         g = torch.Generator().manual_seed(0)
-        for i in range(12):
+        for i in range(8):
             s.generate(torch.randint(3, 128, (1, 30 + 3 * i), generator=g), max_new_tokens=2, do_sample=False)
             s.save({str(tmp_path / 'sess')!r}, prune_after_s=0.5)
             store.get_or_compute(m, torch.arange(3, 19) + i)
@@ -240,7 +240,7 @@ def test_reader_while_another_process_writes(llama, tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    fresh = {i: ChunkStore().get_or_compute(llama, torch.arange(3, 19) + i) for i in range(12)}
+    fresh = {i: ChunkStore().get_or_compute(llama, torch.arange(3, 19) + i) for i in range(8)}
     loads = hits = 0
     try:
         while proc.poll() is None:
