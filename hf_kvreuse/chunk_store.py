@@ -146,6 +146,11 @@ class ChunkStore:
             self._items.popitem(last=False)
             self.evictions += 1
 
+    def __repr__(self) -> str:
+        from .reprs import store_repr
+
+        return store_repr(self)
+
     @torch.no_grad()
     def get_or_compute(self, model, token_ids, prefix_ids=None, adapter: str | None = None,
                        producer: str | None = None) -> KVChunk:

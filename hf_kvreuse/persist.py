@@ -548,6 +548,11 @@ class DiskTier:
                 f.unlink()
             self.evictions += 1
 
+    def __repr__(self) -> str:
+        from .reprs import disk_repr
+
+        return disk_repr(self)
+
     def clear(self) -> None:
         """Delete every chunk of the folder."""
         with _dir_lock(self.folder):

@@ -94,6 +94,22 @@ def cache_repr(cache) -> str:
     return f"{name}({', '.join(parts)})"
 
 
+def store_repr(store) -> str:
+    """One line for a :class:`~hf_kvreuse.ChunkStore` (and its disk tier)."""
+    parts = [f"chunks={len(store)}", f"nbytes={fmt_bytes(store.nbytes)} of max_bytes={fmt_bytes(store.max_bytes)}",
+             f"hits={store.hits}", f"misses={store.misses}", f"evictions={store.evictions}"]
+    if store.disk is not None:
+        parts.append(f"disk={disk_repr(store.disk)}")
+    return f"ChunkStore({', '.join(parts)})"
+
+
+def disk_repr(tier) -> str:
+    """One line for a :class:`~hf_kvreuse.persist.DiskTier` (counts the folder's files)."""
+    return (f"DiskTier(path={str(tier.path)!r}, chunks={len(tier)}, nbytes={fmt_bytes(tier.nbytes)} of "
+            f"max_bytes={fmt_bytes(tier.max_bytes)}, hits={tier.hits}, misses={tier.misses}, writes={tier.writes}, "
+            f"evictions={tier.evictions})")
+
+
 def session_repr(session) -> str:
     """One line for a :class:`~hf_kvreuse.ReuseSession`: policy, model, calls, held caches and bytes against the
     budget, and what the last call ran."""

@@ -218,33 +218,40 @@ def test_second_process_reuses_what_the_first_computed(llama, tmp_path):
         torch.testing.assert_close(v1, v2, atol=1e-6, rtol=1e-6)
 
 
-def test_reader_while_another_process_writes(llama, tmp_path):
-    """A subprocess keeps saving a session and writing chunks (with evictions) while this process keeps loading the
-    session and reading the chunks: every load succeeds and every chunk found is the one computed (atomic renames;
-    a chunk evicted meanwhile is a miss, never a partial file)."""
+@pytest.mark.slow  # three processes, ~1 min on 2 busy cores: the full leg only
+def test_reader_while_other_processes_write(llama, tmp_path):
+    """Two subprocesses keep saving a session into one folder and writing the same chunks into one disk tier (with
+    evictions) while this process keeps loading the session and reading the chunks: every load succeeds and every
+    chunk found is the one computed (atomic renames; a chunk evicted meanwhile is a miss, never a partial file);
+    afterwards every chunk the tier names is there and verifies, and the tier is filled to its budget (evictions
+    stop as soon as it fits).
+
+    Planted bug: ``DiskTier._enforce_budget`` does not subtract the evicted bytes (so it evicts every chunk once the
+    budget is exceeded): fails, fewer chunks held than fit (2 or 0 where 3 fit)."""
     script = tmp_path / "writer.py"
     script.write_text(textwrap.dedent(f"""
+        import sys
         import torch
         from hf_kvreuse import ReuseSession, ChunkStore, DiskTier, enable
         from hf_kvreuse.models import tiny_model
         m = enable(tiny_model("llama"))
         s = ReuseSession(m, policy="prefix", max_bytes=200_000)
         store = ChunkStore(disk=DiskTier({str(tmp_path / 'tier')!r}, max_bytes=60_000))
-        g = torch.Generator().manual_seed(0)
-        for i in range(8):
+        g = torch.Generator().manual_seed(int(sys.argv[1]))
+        for i in range(6):
             s.generate(torch.randint(3, 128, (1, 30 + 3 * i), generator=g), max_new_tokens=2, do_sample=False)
             s.save({str(tmp_path / 'sess')!r}, prune_after_s=0.5)
             store.get_or_compute(m, torch.arange(3, 19) + i)
         print("done")
     """))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    fresh = {i: ChunkStore().get_or_compute(llama, torch.arange(3, 19) + i) for i in range(8)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(w)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for w in range(2)]
+    fresh = {i: ChunkStore().get_or_compute(llama, torch.arange(3, 19) + i) for i in range(6)}
     loads = hits = 0
     try:
-        while proc.poll() is None:
-            time.sleep(0.02)
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.05)
             if (tmp_path / "sess" / "manifest.json").exists():
                 s = ReuseSession.load(tmp_path / "sess", llama)
                 loads += 1
@@ -257,8 +264,14 @@ def test_reader_while_another_process_writes(llama, tmp_path):
                         hits += 1
                         torch.testing.assert_close(chunk.kv[0][0], ref.kv[0][0], atol=1e-6, rtol=1e-6)
     finally:
-        _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
     assert loads >= 1 and hits >= 1
     final = ReuseSession.load(tmp_path / "sess", llama)
     assert final.nbytes <= 200_000
+    tier = DiskTier(tmp_path / "tier", max_bytes=60_000)
+    one = DiskTier(tmp_path / "one")  # every chunk has 16 tokens: the tier holds as many as fit, no fewer
+    ChunkStore(disk=one).get_or_compute(llama, torch.arange(3, 19))
+    assert (len(tier), tier.nbytes <= 60_000) == (60_000 // one.nbytes, True)
+    reader = ChunkStore(disk=tier)
+    assert sum(reader.get(llama, torch.arange(3, 19) + i) is not None for i in fresh) == len(tier)

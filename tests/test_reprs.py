@@ -96,3 +96,13 @@ def test_floor_counts_new_tokens_the_same_way(llama):
     assert floor_seconds(llama, ids, cache, 1) > 0 and floor_seconds(llama, ids, cache, 5) > 0
     with pytest.raises(ValueError, match="new_tokens"):
         floor_seconds(llama, ids, cache, 0)
+
+
+def test_store_repr(llama, tmp_path):
+    from hf_kvreuse import ChunkStore
+
+    store = ChunkStore(disk=DiskTier(tmp_path))
+    store.get_or_compute(llama, torch.arange(3, 19))
+    text = repr(store)
+    assert text.startswith("ChunkStore(chunks=1, nbytes=") and "misses=1" in text
+    assert "DiskTier(path=" in text and "chunks=1" in text and "writes=1" in text
