@@ -37,7 +37,7 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -97,13 +97,14 @@ def kv_layout(model) -> KVLayout:
     return layout
 
 
-def check_kv(kv: KV, layout: KVLayout, tokens: int, where: str) -> None:
-    """Refuse K/V that do not fit ``layout`` (layers, heads, head dim, dtype), do not hold ``tokens`` rows, or hold
-    non-finite values."""
+def check_kv(kv: KV, layout: KVLayout, tokens: int | Sequence[int], where: str) -> None:
+    """Refuse K/V that do not fit ``layout`` (layers, heads, head dim, dtype), do not hold ``tokens`` rows (one
+    count, or one per layer: a sliding-window layer holds fewer), or hold non-finite values."""
     if len(kv) != layout.layers:
         raise PersistedKVError(f"{where}: {len(kv)} layers of K/V, the model has {layout.layers}: saved from another "
                                "model")
-    for i, ((k, v), (heads, dim)) in enumerate(zip(kv, layout.shapes)):
+    rows = [int(tokens)] * len(kv) if isinstance(tokens, int) else [int(t) for t in tokens]
+    for i, ((k, v), (heads, dim), tokens) in enumerate(zip(kv, layout.shapes, rows)):
         for name, t in (("K", k), ("V", v)):
             if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != heads or t.shape[-1] != dim or t.shape[2] != tokens:
                 raise PersistedKVError(f"{where}: layer {i} {name} has shape {tuple(t.shape)}; the model needs "
@@ -267,16 +268,19 @@ def entry_to_record(entry) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, layout: KVLayout, where: str):
+def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, layout: KVLayout, where: str,
+                      windows: Sequence[int | None] | None = None):
     """The inverse of :func:`entry_to_record`, with the K/V checked against ``layout`` and moved to the model's
-    devices."""
+    devices. ``windows``: each layer's sliding window (None: full attention); such a layer holds the last
+    ``window - 1`` rows, as the session keeps them."""
     from .session import _storage_bytes
 
     if "ids" not in tensors:
         raise PersistedKVError(f"{where}: no 'ids' tensor")
     ids = tensors["ids"].long().reshape(-1)
     kv = _kv_from(tensors)
-    check_kv(kv, layout, int(ids.numel()), where)
+    n = int(ids.numel())
+    check_kv(kv, layout, [n if not w else min(n, w - 1) for w in (windows or [None] * len(kv))], where)
     kv = _to_devices(kv, layout)
     values = dict(meta)
     for name, t in tensors.items():
@@ -320,7 +324,8 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
     The folder may already hold a saved session (of this or another process): its manifest is replaced atomically,
     files of the same content are kept, and files no manifest names any more are deleted once older than
     ``prune_after_s`` (so a reader that read the previous manifest finds them). The held caches are listed under
-    the session's lock, between calls, and written after it (calls may run meanwhile). The ``base_lr`` policy's
+    the lock of the session's held caches (a save during a call sees them before or after the call stores its
+    cache) and written after it (calls may run meanwhile). The ``base_lr`` policy's
     trajectory (a :class:`~hf_kvreuse.BaseLRCache`) is not saved.
     """
     folder = Path(path)
@@ -331,12 +336,15 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
     import hf_kvreuse
 
     identity = _model_identity(session.model)
-    lock = getattr(session, "_lock", None) or contextlib.nullcontext()
-    with lock:  # a consistent snapshot between calls; held K/V are never written in place, so the files can be
-        # written after the lock is released (an entry evicted meanwhile stays alive through this list)
+    # the held caches' lock (a running call stores under it); held K/V are never written in place, so the files can
+    # be written after it is released (an entry evicted meanwhile stays alive through this list)
+    lock = getattr(session, "_state", None) or getattr(session, "_lock", None) or contextlib.nullcontext()
+    with lock:
         entries = list(session._entries.values())  # least recently used first
         options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
                        min_donor_tokens=session.min_donor_tokens)
+        if hasattr(session, "rebase"):
+            options["rebase"] = session.rebase
     try:
         json.dumps(session.method_kwargs)
         options["method_kwargs"] = session.method_kwargs
@@ -382,26 +390,29 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
 
     folder = Path(path)
     cls = session_cls or ReuseSession
+    session = None
     for attempt in range(retries):
         manifest = _read_manifest(folder)
         _check_identity(manifest["model"], model, f"the session in {folder}")
         layout = kv_layout(model)
+        if session is None:
+            saved = dict(manifest["session"])
+            if saved.get("method_kwargs") is None:
+                saved.pop("method_kwargs", None)
+            saved.update(options)
+            session = cls(model, **saved)
+        windows = getattr(session, "_windows", None)
         try:
             entries = []
             for rec in manifest["entries"]:
                 where = str(folder / rec["file"])
                 tensors = _read_tensors(folder / rec["file"], rec["sha256"])
-                entries.append(entry_from_record(_Entry, tensors, rec["fields"], layout, where))
+                entries.append(entry_from_record(_Entry, tensors, rec["fields"], layout, where, windows))
             break
         except FileNotFoundError:  # a writer replaced the manifest and pruned a file meanwhile: read it again
             if attempt == retries - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
-    saved = dict(manifest["session"])
-    if saved.get("method_kwargs") is None:
-        saved.pop("method_kwargs", None)
-    saved.update(options)
-    session = cls(model, **saved)
     kept, total = [], 0
     for e in reversed(entries):  # most recent first, under the budget
         if total + e.nbytes <= session.max_bytes:

@@ -75,10 +75,10 @@ class Sessions(dict):
         self._pipe = pipe
 
     def __missing__(self, key: str):
-        from .session import POLICIES
+        from .session import MODES
 
-        if key not in POLICIES:
-            raise KeyError(f"{key!r}: pipe.sessions makes sessions for the methods {POLICIES}")
+        if key not in MODES:
+            raise KeyError(f"{key!r}: pipe.sessions makes sessions for the methods {sorted(MODES)}")
         return self._pipe.session(key)
 
 
@@ -102,10 +102,10 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
                 raise TypeError("cache_factory must be a callable (model, input_ids) -> Cache")
             forward["cache_factory"] = cache_factory
         if method is not None:
-            from .session import POLICIES
+            from .session import MODES
 
-            if method not in POLICIES:
-                raise ValueError(f"method={method!r}: choose one of {POLICIES}")
+            if method not in MODES:
+                raise ValueError(f"method={method!r}: choose one of {sorted(MODES)}")
             forward["method"] = method
             forward["method_kwargs"] = dict(method_kwargs or {})
             if agent is not None:
@@ -122,7 +122,7 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
         with self._session_lock:
             if key not in self.sessions:
                 dict.__setitem__(self.sessions, key,
-                                 ReuseSession(self.model, policy=method, method_kwargs=method_kwargs))
+                                 ReuseSession.for_method(self.model, method, method_kwargs=method_kwargs))
             return dict.__getitem__(self.sessions, key)
 
     # -- one context, many questions or agents ---------------------------------------------------------------
@@ -152,7 +152,7 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
             Each question is asked by every agent in turn; the role text is the system message. Without agents
             the prompt has no system message (the chat template's default applies).
         method : str, default="auto"
-            The session policy (:data:`hf_kvreuse.session.POLICIES`).
+            The session policy or named mode (:data:`hf_kvreuse.session.MODES`, e.g. ``"auto-commit"``).
         method_kwargs : dict, optional
             Options of the method's cache class (e.g. ``{"max_optimistic_tokens": 0}``).
         user_template : str

@@ -275,3 +275,31 @@ def test_reader_while_other_processes_write(llama, tmp_path):
     assert (len(tier), tier.nbytes <= 60_000) == (60_000 // one.nbytes, True)
     reader = ChunkStore(disk=tier)
     assert sum(reader.get(llama, torch.arange(3, 19) + i) is not None for i in fresh) == len(tier)
+
+
+def test_sliding_window_session_round_trip(tmp_path):
+    """A session on a sliding-window model (qwen2: 2 full + 2 sliding layers, window 8; its held sliding layers
+    keep their last 7 rows) saves and loads: the loaded entries equal the saved ones row for row, and the next call
+    reuses them as an exact prefix with plain generate's tokens and logits.
+
+    Planted bug that fails it: ``entry_from_record`` checks every layer for one row per token (the check before
+    sliding-window sessions): the load raises PersistedKVError "layer 2 K has shape (1, 2, 7, 16)"."""
+    from test_reliability import SLIDING, _sliding_model
+
+    assert "qwen2" in SLIDING
+    m = _sliding_model("qwen2")
+    s = ReuseSession(m, policy="prefix")
+    out = s.generate(toks(20, 0), **GEN)
+    s.save(tmp_path / "sess")
+    loaded = ReuseSession.load(tmp_path / "sess", m)
+    (a,), (b,) = list(s._entries.values()), list(loaded._entries.values())
+    assert torch.equal(a.ids, b.ids) and [k.shape[-2] for k, _ in b.kv] == [k.shape[-2] for k, _ in a.kv]
+    assert min(k.shape[-2] for k, _ in b.kv) < a.ids.numel()  # the sliding layers hold fewer rows
+    for (k1, v1), (k2, v2) in zip(a.kv, b.kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    ids = torch.cat([out, toks(4, 5)], 1)
+    got = loaded.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN)
+    ref = plain(m, ids, return_dict_in_generate=True, output_logits=True)
+    assert loaded.last_stats.exact_prefix_tokens == out.shape[1] - 1 and torch.equal(got.sequences, ref.sequences)
+    for x, y in zip(got.logits, ref.logits):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)

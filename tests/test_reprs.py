@@ -62,7 +62,8 @@ def test_session_repr_and_new_tokens_one_meaning(llama):
     new tokens add up to the prompt.
 
     Planted bug that fails it: ``OptimisticCache._assemble`` records ``new_tokens`` without the last prompt token
-    (the count before this fix: SessionStats said 3 where cache_stats said 2)."""
+    (the count before this fix: SessionStats said 3 where cache_stats said 2); the session does not subtract the
+    repaired rows from ``donor_tokens`` (the sum exceeds the prompt by them)."""
     s = ReuseSession(llama, policy="auto", min_donor_tokens=8)
     assert "calls=0" in repr(s) and "held=0 caches" in repr(s)
     ids_a, ids_b = agent_prompts(3)
@@ -79,10 +80,19 @@ def test_session_repr_and_new_tokens_one_meaning(llama):
         s2.generate(torch.cat([ids_a, ids_b], 1), max_new_tokens=4, do_sample=False)
         t = s2.last_stats
         assert t.exact_prefix_tokens + t.donor_tokens + t.new_tokens == t.prompt_tokens, policy
+    # repair= recomputes donor rows before the first token: they count as new, no longer as reused / donor rows
+    s3 = ReuseSession.for_method(llama, "auto-commit-repair", min_donor_tokens=8)
+    s3.generate(ids_a, agent="a", max_new_tokens=4, do_sample=False)
+    s3.generate(ids_b, agent="b", max_new_tokens=4, do_sample=False)
+    r = s3.last_stats
+    assert r.method == "optimistic" and r.cache_stats["repaired_tokens"] > 0
+    assert r.new_tokens == r.cache_stats["new_tokens"] == st.new_tokens + r.cache_stats["repaired_tokens"]
+    assert r.exact_prefix_tokens + r.donor_tokens + r.new_tokens == r.prompt_tokens
+    assert r.cache_stats["reused_tokens"] + r.cache_stats["new_tokens"] == r.prompt_tokens
     text = repr(s)
     assert text.startswith("ReuseSession(policy='auto'") and "calls=2" in text and "held=2 caches" in text
     assert f"{st.new_tokens} new" in text and "max_bytes=2 GiB" in text
-    assert "cache_stats={...16 fields}" in repr(st) and "held_bytes=" in repr(st)
+    assert f"cache_stats={{...{len(st.cache_stats)} fields}}" in repr(st) and "held_bytes=" in repr(st)
 
 
 def test_floor_counts_new_tokens_the_same_way(llama):

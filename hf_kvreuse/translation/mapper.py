@@ -39,6 +39,7 @@ from typing import Iterable
 
 import torch
 
+from ..devices import input_device
 from ..kv import KV, kv_of
 from ..rope import RopeShifter
 
@@ -384,39 +385,36 @@ class KVMapper:
 
     # -- persistence: safetensors + JSON ------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
-        """Write ``path/mapper.safetensors`` and ``path/mapper.json`` (no pickles)."""
-        from safetensors.torch import save_file
+        """Write ``path/mapper.safetensors`` and ``path/mapper.json`` (no pickles; the JSON records the tensor
+        file's sha256, verified by :meth:`load`)."""
+        from ..artifacts import write_artifact
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {"r2": self.r2.contiguous(), "fit_r2": self.fit_r2.contiguous()}
+        tensors = {"r2": self.r2, "fit_r2": self.fit_r2}
         for t, lm in enumerate(self.layers):
             tensors[f"{t}.sources"] = torch.tensor(lm.sources, dtype=torch.int64)
             for name in ("k", "v"):
-                tensors[f"{t}.w_{name}"] = getattr(lm, f"w_{name}").to(dtype).contiguous()
-                tensors[f"{t}.b_{name}"] = getattr(lm, f"b_{name}").float().contiguous()
+                tensors[f"{t}.w_{name}"] = getattr(lm, f"w_{name}").to(dtype)
+                tensors[f"{t}.b_{name}"] = getattr(lm, f"b_{name}").float()
                 for attr in ("mean", "cov_vecs", "cov_vals", "svd_vecs", "svd_vals"):
-                    tensors[f"{t}.{attr}_{name}"] = getattr(lm, attr)[name].float().contiguous()
-        save_file(tensors, str(path / "mapper.safetensors"))
+                    tensors[f"{t}.{attr}_{name}"] = getattr(lm, attr)[name].float()
         meta = {"format": "hf_kvreuse.KVMapper", "version": FORMAT_VERSION, "geometry": asdict(self.geometry),
                 "identity": self.identity, "info": self.info}
-        (path / "mapper.json").write_text(json.dumps(meta, indent=2, default=str))
-        return path
+        return write_artifact(path, "mapper", tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, source_model=None, target_model=None) -> "KVMapper":
-        """Read a saved mapper; with the models given, refuse (:class:`MapperMismatchError`) another pair."""
-        from safetensors.torch import load_file
+        """Read a saved mapper (its sha256 and finite values verified: :class:`hf_kvreuse.artifacts.
+        CorruptArtifactError` otherwise); with the models given, refuse (:class:`MapperMismatchError`) another
+        pair."""
+        from ..artifacts import read_artifact, read_meta
 
         path = Path(path)
-        if not (path / "mapper.json").exists():
-            raise FileNotFoundError(f"no KVMapper at {path} (expected mapper.json and mapper.safetensors)")
-        meta = json.loads((path / "mapper.json").read_text())
+        meta = read_meta(path, "mapper", "KVMapper")
         if meta.get("format") != "hf_kvreuse.KVMapper" or meta.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}: not a KVMapper of format version {FORMAT_VERSION} ({meta.get('format')}, "
                              f"{meta.get('version')})")
+        ts, meta = read_artifact(path, "mapper", "KVMapper")
         g = PairGeometry(**meta["geometry"])
-        ts = load_file(str(path / "mapper.safetensors"))
         layers = []
         for t in range(g.target_layers):
             lm = LayerMap(ts[f"{t}.sources"].tolist(), ts[f"{t}.w_k"].float(), ts[f"{t}.b_k"], ts[f"{t}.w_v"].float(),
@@ -449,7 +447,7 @@ def _run_features(model, ids: torch.Tensor, shifter: RopeShifter) -> list[tuple[
 
     from ..compat import CACHE_KW
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids = ids.to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: cache})
