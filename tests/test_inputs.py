@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from hf_kvreuse import BlendCache, OptimisticCache, ReuseSession
+from hf_kvreuse import BlendCache, OptimisticCache, ReuseSession, output_cache
 from hf_kvreuse.inputs import prompt_ids
 
 from conftest import agent_prompts
@@ -38,8 +38,8 @@ def test_prompt_ids_forms_and_refusals():
 
 def test_batch_encoding_everywhere_gives_the_tensors_answer(llama):
     """A BatchEncoding (what ``apply_chat_template(..., return_tensors="pt")`` returns on transformers 5) works as
-    ``input_ids=`` / ``donor_ids=`` of the caches, as ``generate(**enc, cache=...)`` and ``generate(enc,
-    cache=...)``, and in ``ReuseSession.generate``: the same tokens as the plain tensors, and (exact cache before
+    ``input_ids=`` / ``donor_ids=`` of the caches, as ``generate(**enc, past_key_values=...)`` and ``generate(enc,
+    past_key_values=...)``, and in ``ReuseSession.generate``: the same tokens as the plain tensors, and (exact cache before
     the first token) as plain generate.
 
     Planted bug that fails it: ``unpack_generate_inputs`` passes the mapping's ``attention_mask`` as
@@ -49,15 +49,15 @@ def test_batch_encoding_everywhere_gives_the_tensors_answer(llama):
     out_a = llama.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     runs = []
     for form in ("kw", "positional"):
-        cache = OptimisticCache(llama, input_ids=enc(ids_b), donor_cache=out_a.cache,
+        cache = OptimisticCache(llama, input_ids=enc(ids_b), donor_cache=output_cache(out_a),
                                 donor_ids=enc(out_a.sequences), max_optimistic_tokens=0)
-        out = llama.generate(**enc(ids_b), cache=cache, **GEN) if form == "kw" else \
-            llama.generate(enc(ids_b), cache=cache, **GEN)
+        out = llama.generate(**enc(ids_b), past_key_values=cache, **GEN) if form == "kw" else \
+            llama.generate(enc(ids_b), past_key_values=cache, **GEN)
         runs.append(out)
         assert cache.stats.exact
     assert all(torch.equal(o, ref) for o in runs)
     blocks = BlendCache(llama, enc(ids_b), [(9, 30)], recompute_ratio=1.0)
-    assert torch.equal(llama.generate(**enc(ids_b), cache=blocks, **GEN), ref)
+    assert torch.equal(llama.generate(**enc(ids_b), past_key_values=blocks, **GEN), ref)
     s = ReuseSession(llama, policy="prefix")
     assert torch.equal(s.generate(enc(ids_b), **GEN), ref)
 
@@ -68,13 +68,13 @@ def test_padded_or_batched_encodings_refused(llama):
                                                                                    dtype=torch.long)], 1))
     out_a = llama.generate(ids_a, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="padding"):
-        OptimisticCache(llama, input_ids=padded, donor_cache=out_a.cache, donor_ids=out_a.sequences)
+        OptimisticCache(llama, input_ids=padded, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
     with pytest.raises(ValueError, match="padding"):
         ReuseSession(llama).generate(padded, **GEN)
     with pytest.raises(ValueError, match="one prompt per call"):
         ReuseSession(llama).generate(enc(torch.cat([ids_b, ids_b])), **GEN)
     with pytest.raises(TypeError, match="got text"):
         ReuseSession(llama).generate("a prompt", **GEN)
-    cache = OptimisticCache(llama, input_ids=None, donor_cache=out_a.cache, donor_ids=out_a.sequences)
+    cache = OptimisticCache(llama, input_ids=None, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
     with pytest.raises(ValueError, match="prompt twice"):
-        llama.generate(enc(ids_b), input_ids=ids_b, cache=cache, **GEN)
+        llama.generate(enc(ids_b), input_ids=ids_b, past_key_values=cache, **GEN)
