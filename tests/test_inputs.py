@@ -38,9 +38,9 @@ def test_prompt_ids_forms_and_refusals():
 
 def test_batch_encoding_everywhere_gives_the_tensors_answer(llama):
     """A BatchEncoding (what ``apply_chat_template(..., return_tensors="pt")`` returns on transformers 5) works as
-    ``input_ids=`` / ``donor_ids=`` of the caches, as ``generate(**enc, past_key_values=...)`` and ``generate(enc,
-    past_key_values=...)``, and in ``ReuseSession.generate``: the same tokens as the plain tensors, and (exact cache before
-    the first token) as plain generate.
+    ``input_ids=`` / ``donor_ids=`` of the caches, as ``generate(**enc, past_key_values=...)`` and
+    ``generate(enc, past_key_values=...)``, and in ``ReuseSession.generate``: the same tokens as the plain tensors,
+    and (exact cache before the first token) as plain generate.
 
     Planted bug that fails it: ``unpack_generate_inputs`` passes the mapping's ``attention_mask`` as
     ``input_ids`` (the cache then refuses other ids than it was built for)."""
