@@ -44,6 +44,9 @@ class KVChunk:
     prefix_digest: str = "-"
     anchor: KV | None = None
     anchor_token: int | None = None
+    #: read-outs computed with the chunk's K/V that a cache may keep with it (LatentRemedy: the bridge's read-out of
+    #: an agent's own prefix); not counted in ``nbytes``
+    extra: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
