@@ -33,6 +33,18 @@ from .block_reuse import BlockReuseCache, BlockReuseStats
 
 @dataclass
 class LatentRemedyStats(BlockReuseStats):
+    """:class:`BlockReuseStats` of a :class:`LatentRemedyCache` call, plus the latents.
+
+    Attributes
+    ----------
+    latent_tokens : int
+        Latent embeddings placed after the reused block (0: direct reuse).
+    bridge_s : float
+        The bridge MLP and the one pass over the latents and the rows after them (seconds).
+    """
+
+    __repr__ = BlockReuseStats.__repr__
+
     latent_tokens: int = 0
     bridge_s: float = 0.0  # the bridge MLP and the one pass over the latents and the rows after them
 
