@@ -118,15 +118,19 @@ def run(args, checkpoint=None) -> dict:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
+    reference = load_reference(args) if getattr(args, "reference", None) else None
     model, tok = load(args.model, args.dtype)
     methods = ["full"] + [m for m in args.methods if m != "full"]
     records = []
     jobs = [(w, c) for w in args.workflows for c in args.context_tokens]
     data = {c: questions(tok, args.n, c, args.seed) for c in args.context_tokens}
-    bar = tqdm(total=len(jobs) * args.n * len(methods), desc="bench", unit="workflow")
+    bar = tqdm(total=len(jobs) * args.n * (len(methods) - bool(reference)), desc="bench", unit="workflow")
     for shape, ctx in jobs:
         for q, (doc, item) in enumerate(data[ctx]):
             for method in methods:
+                if method == "full" and reference is not None:
+                    records.append(dict(reference[(shape, ctx, q)], reference=args.reference))
+                    continue
                 session = ReuseSession.for_method(model, method, max_bytes=args.max_bytes)
                 run_ = run_workflow(session, tok, doc, item.question, shape=shape, rounds=args.rounds,
                                     max_new_tokens=args.max_new_tokens)
@@ -148,6 +152,11 @@ def run(args, checkpoint=None) -> dict:
                 records.append(rec)
                 bar.update(1)
             ref = next(r for r in records[-len(methods):] if r["method"] == "full")
+            mine = next((r for r in records[-len(methods):] if r["method"] != "full"), None)
+            if reference is not None and mine is not None and \
+                    mine["turns"][0]["prompt_tokens"] != ref["turns"][0]["prompt_tokens"]:
+                raise SystemExit(f"--reference {args.reference}: question {q} is not the same prompt "
+                                 f"({ref['turns'][0]['prompt_tokens']} vs {mine['turns'][0]['prompt_tokens']} tokens)")
             for r in records[-len(methods):]:
                 r["agrees"] = normalize_answer(r["final"]) == normalize_answer(ref["final"])
                 r["judge_agrees"] = r["judge_choice"] == ref["judge_choice"] if shape == "judge" else None
@@ -160,6 +169,29 @@ def run(args, checkpoint=None) -> dict:
                                 records=records))
     bar.close()
     return dict(config=vars(args), complete=True, summary=summarize(records, methods), records=records)
+
+
+REFERENCE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "seed", "n", "max_bytes")
+
+
+def load_reference(args) -> dict:
+    """Full-prefill records of an earlier ``bench.json`` of the same configuration, by (workflow, context, question).
+
+    Full prefill is greedy and deterministic, so its answers can be reused; its timings were not measured side by
+    side with this run (the JSON says so: ``config.reference``), and the run refuses a reference whose settings or
+    questions differ (the same ``--seed`` picks the same questions; each question's first prompt is compared)."""
+    ref = json.loads(Path(args.reference).read_text())
+    cfg = ref["config"]
+    bad = [k for k in REFERENCE_KEYS if cfg.get(k) != getattr(args, k)]
+    if bad:
+        raise SystemExit(f"--reference {args.reference}: its {', '.join(bad)} differ from this run's "
+                         f"({', '.join(f'{k}={cfg.get(k)!r}' for k in bad)})")
+    out = {(r["workflow"], r["context_tokens"], r["question"]): r for r in ref["records"] if r["method"] == "full"}
+    missing = [(w, c, q) for w in args.workflows for c in args.context_tokens for q in range(args.n)
+               if (w, c, q) not in out]
+    if missing:
+        raise SystemExit(f"--reference {args.reference} has no full-prefill record of {missing[:3]} ...")
+    return out
 
 
 def summarize(records: list[dict], methods: list[str]) -> list[dict]:
@@ -185,6 +217,12 @@ def summarize(records: list[dict], methods: list[str]) -> list[dict]:
                        / sum(t["stats"]["prompt_tokens"] for t in turns),
                        donor_frac=sum(t["stats"]["donor_tokens"] for t in turns)
                        / sum(t["stats"]["prompt_tokens"] for t in turns))
+            full = {r["question"]: r["correct"] for r in records if r["workflow"] == shape
+                    and r["context_tokens"] == ctx and r["method"] == "full"}
+            pairs = [(r["correct"], full[r["question"]]) for r in rs if r["question"] in full]
+            if m != "full" and pairs:  # paired: the same questions under full prefill
+                d, lo, hi = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+                row.update(accuracy_minus_full=d, accuracy_minus_full_ci=(lo, hi))
             drafts = [(t["stats"]["cache_stats"] or {}) for t in turns if t["stats"].get("cache_stats")]
             kept = sum(c.get("accepted_tokens") or 0 for c in drafts)
             withdrawn = sum(c.get("rejected_tokens") or 0 for c in drafts)
@@ -308,6 +346,16 @@ def merge(paths: list[str], out: Path) -> dict:
     return result
 
 
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
 
@@ -355,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     b.add_argument("--seed", type=int, default=0, help="offset of the first question in the SQuAD file (shards)")
     b.add_argument("--out", default="bench_results", help="output folder (bench.json, bench.csv, plots)")
+    b.add_argument("--reference", default=None,
+                   help="bench.json of an earlier run of the same settings: its full-prefill records are reused "
+                        "instead of running full again (answers exact; its timings not side by side)")
     mg = sub.add_parser("merge", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                         help="join bench.json files of one configuration run over different questions",
                         description="Join bench.json files of one configuration run over different questions "
@@ -386,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     result = run(args, checkpoint=lambda partial: write_json(dict(partial, wall_s=time.perf_counter() - t0), out))
     result["wall_s"] = time.perf_counter() - t0
+    result["git_commit"] = _git_commit()
     write(result, out)
     print_summary(result["summary"])
     print(f"wrote {args.out}/bench.json, bench.csv, ttft.png, accuracy_vs_ttft.png, timelines.png")

@@ -103,6 +103,9 @@ def test_bench_cli(smollm2, tmp_path):
     assert set(rows) == {(w, m) for w in ("chain", "judge") for m in ("full", "prefix", "auto")}
     assert rows[("chain", "prefix")]["agreement"] == 1.0 and rows[("judge", "full")]["judge_consistency"] == 1.0
     assert "ttft_over_floor" in rows[("chain", "auto")]
+    # prefix is exact: paired accuracy difference with full prefill 0 on the same questions
+    assert rows[("chain", "prefix")]["accuracy_minus_full"] == 0.0 and "accuracy_minus_full" not in rows[("chain", "full")]
+    assert res["git_commit"]
 
 
 def test_agents_with_own_adapter_or_model(smollm2):
@@ -158,3 +161,21 @@ def test_bench_merge(smollm2, tmp_path):
     assert main(["merge", *outs, "--out", str(tmp_path / "m")]) == 0
     res = json.loads((tmp_path / "m" / "bench.json").read_text())
     assert {r["method"]: r["n"] for r in res["summary"]} == {"full": 2, "prefix": 2}
+
+
+def test_bench_reference_reuses_full_prefill(smollm2, tmp_path):
+    """``--reference``: a second run reuses the first run's full-prefill records (marked as such) and computes the
+    same agreement; a reference of other settings is refused before anything runs."""
+    from hf_kvreuse.cli import main
+
+    common = ["bench", "--model", "smollm2", "--n", "1", "--workflows", "chain", "--context-tokens", "150",
+              "--max-new-tokens", "3"]
+    assert main([*common, "--methods", "prefix", "--out", str(tmp_path / "a")]) == 0
+    ref = str(tmp_path / "a" / "bench.json")
+    assert main([*common, "--methods", "prefix", "--reference", ref, "--out", str(tmp_path / "b")]) == 0
+    res = json.loads((tmp_path / "b" / "bench.json").read_text())
+    full = [r for r in res["records"] if r["method"] == "full"]
+    assert len(full) == 1 and full[0]["reference"] == ref
+    assert {r["method"]: r["agreement"] for r in res["summary"]} == {"full": 1.0, "prefix": 1.0}
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        main([*common[:-1], "4", "--methods", "prefix", "--reference", ref, "--out", str(tmp_path / "c")])
