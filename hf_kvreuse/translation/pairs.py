@@ -17,6 +17,7 @@ from ..models.offline import cache_dir
 from .mapper import KVMapper
 
 QWEN_PAIR = "qwen2.5-coder-0.5b-to-1.5b"
+DEFAULT_INPUTS = "kv"  # the map kind `fit` makes by default (issue 24's ablations: README, TranslatedCache)
 
 
 def calibration_ids(tokenizer, n: int = 64, max_tokens: int = 512, offset: int = 0) -> list[torch.Tensor]:
@@ -36,26 +37,31 @@ def calibration_ids(tokenizer, n: int = 64, max_tokens: int = 512, offset: int =
     return out
 
 
-def default_map_path(name: str = QWEN_PAIR) -> Path:
-    return cache_dir() / "maps" / name
+def default_map_path(name: str = QWEN_PAIR, inputs: str = "kv") -> Path:
+    """Where a map of kind ``inputs`` is kept (the K->K / V->V kind under the original name)."""
+    return cache_dir() / "maps" / (name if inputs == "kv" else f"{name}-{inputs}")
 
 
 def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.PathLike | None = None,
                      n_calibration: int = 64, max_tokens: int = 512, stride: int = 2, refit: bool = False,
-                     progress: bool = True) -> KVMapper:
+                     progress: bool = True, inputs: str = DEFAULT_INPUTS, hidden_band: int = 1) -> KVMapper:
     """The Qwen2.5-Coder 0.5B -> 1.5B map: loaded from ``path`` (default under the cache folder) or fitted there.
 
     Models not given are loaded in bfloat16 from the offline kit. The map is checked against the models given.
     """
     from ..models import load_qwen
 
-    path = Path(path) if path is not None else default_map_path()
+    path = Path(path) if path is not None else default_map_path(inputs=inputs)
     if source is None:
         source, tokenizer = load_qwen("0.5b", dtype=torch.bfloat16)
     if target is None:
         target, tokenizer = load_qwen("1.5b", dtype=torch.bfloat16)
     if (path / "mapper.json").exists() and not refit:
-        return KVMapper.load(path, source, target)
+        mapper = KVMapper.load(path, source, target)
+        if mapper.kind != inputs:
+            raise ValueError(f"the map at {path} is of kind {mapper.kind!r}, not {inputs!r}: pass refit=True or "
+                             "another path")
+        return mapper
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -63,7 +69,8 @@ def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.Pa
 
         tokenizer = AutoTokenizer.from_pretrained(model_path("0.5b"))
     calib = calibration_ids(tokenizer, n_calibration, max_tokens)
-    mapper = KVMapper.fit(source, target, calib, stride=stride, progress=progress,
+    mapper = KVMapper.fit(source, target, calib, stride=stride, progress=progress, inputs=inputs,
+                          hidden_band=hidden_band,
                           description=f"DROP dev passages+questions, chat QA format: {len(calib)} prompts <= "
                                       f"{max_tokens} tokens, stride {stride}")
     mapper.save(path)
