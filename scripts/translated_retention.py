@@ -73,6 +73,9 @@ def prepare(a) -> None:
         qs = {}  # the target's queries before RoPE (attention-output cosine of the diagnosis)
         hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, a_, out, i=i: qs.__setitem__(i, out[0].half()))
                  for i, layer in enumerate(tgt.model.layers)]
+        th = {}  # the target's normalised inputs of layers 0..4 (maps conditioned on an exact target prefix)
+        hooks += [tgt.model.layers[i].input_layernorm.register_forward_hook(
+            lambda m, a_, out, i=i: th.__setitem__(i, out[0].half())) for i in range(5)]
         try:
             tgt(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **cache_kwargs(tc))
         finally:
@@ -88,7 +91,8 @@ def prepare(a) -> None:
                    "tgt_v": torch.stack([v[0] for _, v in true_kv]), "src_k": torch.stack([k[0] for k, _ in src_kv]),
                    "src_v": torch.stack([v[0] for _, v in src_kv]),
                    "src_h": torch.stack([hidden[s] for s in sorted(hidden)]).half(),
-                   "tgt_q": torch.stack([qs[j] for j in range(len(qs))])}
+                   "tgt_q": torch.stack([qs[j] for j in range(len(qs))]),
+                   "tgt_h": torch.stack([th[j] for j in range(5)])}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(work / f"i{i}.safetensors"))
         refs["items"][str(i)] = {"tokens": ids.shape[1], "suffix": suffix, "gold": list(it.answers), "full": full,
                                  "full_ok": contains_answer(full, it.answers), "source": source,
