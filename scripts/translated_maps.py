@@ -34,17 +34,20 @@ def variants() -> dict:
     """name -> (MapperConfig, blocks override or None). The first is the shipped kind on the same rows."""
     v = {
         "kv (shipped kind)": (MapperConfig(inputs="kv"), None),
+        "hidden band1": (MapperConfig(inputs="hidden", hidden_band=1, scaling="std"), None),
+        "kv+hidden band1": (MapperConfig(inputs="kv+hidden", hidden_band=1, scaling="std"), None),
         "kv-both": (MapperConfig(inputs="kv-both"), None),
         "hidden band0": (MapperConfig(inputs="hidden", hidden_band=0, scaling="std"), None),
-        "hidden band1": (MapperConfig(inputs="hidden", hidden_band=1, scaling="std"), None),
-        "hidden band2": (MapperConfig(inputs="hidden", hidden_band=2, scaling="std"), None),
-        "kv+hidden band1": (MapperConfig(inputs="kv+hidden", hidden_band=1, scaling="std"), None),
         "kv+hidden band1 mean-scaled": (MapperConfig(inputs="kv+hidden", hidden_band=1, scaling="mean"), None),
         "kv-both std": (MapperConfig(inputs="kv-both", scaling="std"), None),
     }
-    for lam in (0.001, 0.1):
+    for lam in (0.3, 3.0, 30.0):
+        v[f"hidden band1 lambda {lam}"] = (MapperConfig(inputs="hidden", hidden_band=1, scaling="std",
+                                                        ridge_lambda=lam), None)
         v[f"kv+hidden band1 lambda {lam}"] = (MapperConfig(inputs="kv+hidden", hidden_band=1, scaling="std",
                                                            ridge_lambda=lam), None)
+    for lam in (0.1, 1.0):
+        v[f"kv lambda {lam}"] = (MapperConfig(inputs="kv", ridge_lambda=lam), None)
     return v
 
 

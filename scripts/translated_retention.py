@@ -218,7 +218,15 @@ def run(a, argv) -> None:
         print(f"item {i} ({(time.perf_counter() - t0) / done:.0f} s/item): full {int(ref['full_ok'])} src "
               f"{int(ref['source_ok'])} " + " ".join(f"{k}:{int(v['ok'])}{'=' if v['agree'] else '!'}"
                                                     for k, v in rec["runs"].items()), flush=True)
-    # -- summary over the items every configuration answered --------------------------------------------------
+    summarize_into(res, refs, configs, out)
+
+
+def summarize_into(res: dict, refs: dict, configs: list[dict], out: Path) -> None:
+    """Summary over the items every configuration answered (paired: the same items for all)."""
+    from translated import bootstrap_ratio
+
+    from hf_kvreuse.cli import paired_difference, wilson
+
     keys = [c["key"] for c in configs]
     items = [i for i, r in res["items"].items() if all(k in r["runs"] for k in keys)]
     N = len(items)
@@ -253,9 +261,50 @@ def run(a, argv) -> None:
               f"{r['agreement']:.2f} vs source {r['vs_source_alone']} vs first {r['vs_first']}", flush=True)
 
 
+def summarize(a, argv) -> None:
+    """Merge the item runs of several ``run`` JSONs (same prepared items) into one JSON with its summary."""
+    refs = json.loads((Path(a.work) / "refs.json").read_text())
+    res = {"command": "python scripts/translated_retention.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "git_commit": _git(), "date": time.strftime("%Y-%m-%d %H:%M"), "dtype": refs["dtype"], "inputs": a.inputs,
+           "maps": {}, "configs": [], "items": {}}
+    for f in a.inputs:
+        part = json.loads(Path(f).read_text())
+        res["maps"].update(part.get("maps", {}))
+        for c in part.get("configs", []):
+            if c["key"] not in [x["key"] for x in res["configs"]]:
+                res["configs"].append(c)
+        for i, r in part["items"].items():
+            res["items"].setdefault(i, {"runs": {}})["runs"].update(r["runs"])
+    order = a.config or [c["key"] for c in res["configs"]]
+    configs = [next(c for c in res["configs"] if c["key"] == k) for k in order]
+    res["configs"] = configs
+    summarize_into(res, refs, configs, Path(a.out))
+
+
+def table(path: str) -> str:
+    """README rows of a summarised retention JSON."""
+    d = json.loads(Path(path).read_text())
+    s = d["summary"]
+    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+    ci = lambda c: f"[{100 * c[0]:.0f}, {100 * c[1]:.0f}]"  # noqa: E731
+    pd = lambda t: f"{100 * t[0]:+.0f} [{100 * t[1]:+.0f}, {100 * t[2]:+.0f}]"  # noqa: E731
+    lines = [f"n = {s['n']} SQuAD questions ({d['dtype']}); target full prefill {pct(s['full_accuracy'])} "
+             f"{ci(s['full_ci'])}; source alone retention {pct(s['source_alone']['retention'])} "
+             f"{ci(s['source_alone']['retention_ci'])}", "",
+             "| map | ratio | scorer | exact leading layers | recomputed | retention [95% CI] | agreement | vs source alone (pts) "
+             "| Spearman / top-30% with oracle |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        sp = (f"{r['spearman_with_oracle']:.2f} / {pct(r['top30_overlap'])}" if "spearman_with_oracle" in r else "-")
+        lines.append(f"| {r['map']} | {r['ratio']} | {r['scorer']} | {r['prefix']} | {pct(r['recomputed_share'])} | "
+                     f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} | "
+                     f"{pd(r['vs_source_alone'])} | {sp} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["prepare", "run"])
+    p.add_argument("command", choices=["prepare", "run", "summarize", "table"])
+    p.add_argument("--inputs", nargs="*", default=[], help="summarize: run JSONs to merge; table: the JSON")
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=10)
@@ -264,13 +313,18 @@ def main(argv=None) -> None:
     p.add_argument("--work", default="/tmp/tr24/squad")
     p.add_argument("--map", action="append", default=[], help="NAME=PATH of a saved map")
     p.add_argument("--config", action="append", default=[],
-                   help="MAP:RATIO:SCORER[:EXACT_LAYERS] (scorer: rank, random, oracle, first-layer, ...)")
+                   help="MAP:RATIO:SCORER[:EXACT_LAYERS] (scorer: rank, random, oracle, first-layer, ...); summarize: "
+                        "the row order (default: as found)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.command == "prepare":
         prepare(a)
-    else:
+    elif a.command == "run":
         run(a, argv)
+    elif a.command == "summarize":
+        summarize(a, argv)
+    else:
+        print(table(a.inputs[0]))
 
 
 if __name__ == "__main__":
