@@ -18,6 +18,9 @@ K<-K, V<-V, ridge 0.01) solved with the library's ``KVMapper.from_moments`` from
     python scripts/translated_diagnosis.py --moments /tmp/tr24/mom/a.safetensors /tmp/tr24/mom/b.safetensors \\
         --retention benchmarks/results/translated_retention.json
     python scripts/translated_diagnosis.py --table benchmarks/results/translated_diagnosis.json
+
+``--from-ablation ABLATION_JSON VARIANT`` takes parts 1-2 from a variant that ``translated_maps.py ablate`` already
+scored on the same held-out items (the same solve and scoring code; no sinks-mapped column) instead of redoing them.
 """
 
 from __future__ import annotations
@@ -61,26 +64,30 @@ def recompute_table(path: str | Path, configs: list[str] | None = None) -> dict:
 
 def table(path: str) -> str:
     d = json.loads(Path(path).read_text())
-    h, hm = d["heldout"], d["heldout_sinks_mapped"]
+    h, hm = d["heldout"], d.get("heldout_sinks_mapped")
     rc = d.get("recompute", {})
     key = next(iter(rc), None)
-    lines = ["| target layer | R² K | R² V | attn-output cos (sinks exact) | (sinks mapped) | share of error |"
-             + (" recomputed rows rel. err K / V | mapped rows rel. err K / V |" if key else ""),
-             "|---|---|---|---|---|---|" + ("---|---|" if key else "")]
+    sm = hm is not None
+    lines = ["| target layer | R² K | R² V | attn-output cos (sinks exact) |" + (" (sinks mapped) |" if sm else "")
+             + " share of error |" + (" recomputed rows rel. err K / V | mapped rows rel. err K / V |" if key else ""),
+             "|---|---|---|---|" + ("---|" if sm else "") + "---|" + ("---|---|" if key else "")]
     for t in range(len(h["r2_k"])):
-        line = (f"| {t} | {h['r2_k'][t]:.2f} | {h['r2_v'][t]:.2f} | {h['attn_cos'][t]:.3f} | {hm['attn_cos'][t]:.3f} | "
-                f"{100 * h['error_share_by_layer'][t]:.1f}% |")
+        line = (f"| {t} | {h['r2_k'][t]:.2f} | {h['r2_v'][t]:.2f} | {h['attn_cos'][t]:.3f} | "
+                + (f"{hm['attn_cos'][t]:.3f} | " if sm else "") + f"{100 * h['error_share_by_layer'][t]:.1f}% |")
         if key:
             e = rc[key]["per_layer"][t]
             f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
             line += f" {f(e['recomputed_k'])} / {f(e['recomputed_v'])} | {f(e['mapped_k'])} / {f(e['mapped_v'])} |"
         lines.append(line)
     lines.append(f"| mean | {h['r2_k_mean']:.2f} | {h['r2_v_mean']:.2f} | {h['attn_cos_mean']:.3f} | "
-                 f"{hm['attn_cos_mean']:.3f} | |" + (" | |" if key else ""))
+                 + (f"{hm['attn_cos_mean']:.3f} | " if sm else "") + "|" + (" | |" if key else ""))
     w = h["error_share_worst"]
     lines += ["", f"Share of the error in the worst 10% / 30% / 50% of positions (sinks excluded): "
               f"{100 * w['top10']:.0f}% / {100 * w['top30']:.0f}% / {100 * w['top50']:.0f}% "
               "(uniform: 10 / 30 / 50%)."]
+    if key:
+        lines.append(f"Recomputed / mapped rows' relative K/V error (sinks excluded): configuration {key}, "
+                     f"{rc[key]['items']} items of the retention run.")
     return "\n".join(lines)
 
 
@@ -95,10 +102,39 @@ def main(argv=None) -> None:
     p.add_argument("--retention-configs", nargs="*", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--table", default=None, help="print the README table of a diagnosis JSON")
+    p.add_argument("--from-ablation", nargs=2, metavar=("ABLATION_JSON", "VARIANT"), default=None,
+                   help="parts 1-2 from a variant that translated_maps.py ablate scored on the same held-out set "
+                        "(same map, same scoring code) instead of solving and scoring again")
     p.add_argument("--out", default=str(HERE.parent / "benchmarks" / "results" / "translated_diagnosis.json"))
     a = p.parse_args(argv)
     if a.table:
         print(table(a.table))
+        return
+    if a.moments is None and not a.from_ablation:  # refresh part 3 of an existing diagnosis from a (longer) retention run
+        result = json.loads(Path(a.out).read_text())
+        result["recompute"] = recompute_table(a.retention, a.retention_configs)
+        result["recompute_command"] = "python scripts/translated_diagnosis.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        print(table(a.out))
+        return
+    if a.from_ablation:
+        abl = json.loads(Path(a.from_ablation[0]).read_text())
+        v = abl["variants"][a.from_ablation[1]]
+        result = {"command": "python scripts/translated_diagnosis.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                               cwd=HERE).stdout.strip(),
+                  "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a),
+                  "from_ablation": {"path": a.from_ablation[0], "variant": a.from_ablation[1],
+                                    "command": abl.get("reproduce", abl.get("command")),
+                                    "git_commit": abl["git_commit"], "date": abl["date"]},
+                  "map_config": v["config"], "calibration_rows": v["calibration_rows"],
+                  "held_out": f"{abl['held_out']}; attention cosine on the first {v.get('attn_prompts')}",
+                  "heldout": v}
+        if a.retention:
+            result["recompute"] = recompute_table(a.retention, a.retention_configs)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        print(table(a.out))
         return
     torch.set_num_threads(a.threads)
     from safetensors.torch import load_file

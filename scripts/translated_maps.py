@@ -57,7 +57,7 @@ def _git() -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["moments", "ablate", "residual"])
+    p.add_argument("command", choices=["moments", "ablate", "residual", "table"])
     p.add_argument("--feats", default="/tmp/tr24/feats")
     p.add_argument("--squad", default="/tmp/tr24/squad")
     p.add_argument("--range", type=int, nargs=2)
@@ -68,13 +68,14 @@ def main(argv=None) -> None:
     p.add_argument("--attn-prompts", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="variant names to run")
     p.add_argument("--save", action="append", default=[], help="NAME=DIR: save that variant's map")
+    p.add_argument("--fit-only", action="store_true", help="fit and --save the variants, score nothing")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--variant", default="kv+hidden band1", help="residual: the linear map it corrects")
     p.add_argument("--layers", type=int, nargs="*", default=[0, 4, 9, 13, 18, 22, 27], help="residual: target layers")
     p.add_argument("--calib", type=int, nargs=2, default=[0, 24], help="residual: dumped prompts it trains on")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default="-")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.command == "moments":
@@ -86,6 +87,9 @@ def main(argv=None) -> None:
 
     if a.command == "residual":
         return residual(a, argv)
+    if a.command == "table":
+        print(table(a.moments))
+        return
     from safetensors.torch import load_file
 
     t0 = time.perf_counter()
@@ -95,8 +99,8 @@ def main(argv=None) -> None:
     src_sh, tgt_sh = R.qwen_shifters()
     o_proj = load_file(str(Path(a.feats) / "tgt_o_proj.safetensors"))
     o_proj = [o_proj[str(t)].float() for t in range(R.LT)]
-    held = R.HeldOut([R.squad_item(a.squad, i, src_sh, tgt_sh) for i in range(a.held)], tgt_sh, o_proj,
-                     attn_prompts=a.attn_prompts)
+    held = None if a.fit_only else R.HeldOut([R.squad_item(a.squad, i, src_sh, tgt_sh) for i in range(a.held)],
+                                             tgt_sh, o_proj, attn_prompts=a.attn_prompts)
     out = Path(a.out)
     result = {"command": "python scripts/translated_maps.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "git_commit": _git(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a),
@@ -121,6 +125,10 @@ def main(argv=None) -> None:
             t1 = time.perf_counter()
             mapper = KVMapper.from_moments(mm, R.GEOMETRY, cfg, blocks)
             fit_s = time.perf_counter() - t1
+            if a.fit_only:
+                mapper.save(saves[key])
+                print(f"{key}: fitted in {fit_s:.0f} s, saved at {saves[key]}", flush=True)
+                continue
             score = held.score(R.mapper_predict(mapper))
             score.update(fit_solve_s=fit_s, in_sample_r2_k=float(mapper.fit_r2[:, 0].mean()),
                          in_sample_r2_v=float(mapper.fit_r2[:, 1].mean()), calibration_rows=mm.n,
@@ -133,6 +141,23 @@ def main(argv=None) -> None:
                 mapper.save(saves[key])
             out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+
+
+def table(paths: list[str]) -> str:
+    """README rows of ablation JSONs (``table --moments A.json B.json --out -``)."""
+    lines = ["| map kind (inputs per target layer) | ridge | calibration rows | held-out R² K | R² V | attn-output cos | "
+             "in-sample R² K / V | worst 10/30/50% of positions hold | solve s | map MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        for name, v in json.loads(Path(path).read_text())["variants"].items():
+            c = v["config"]
+            w = v["error_share_worst"]
+            lines.append(f"| {name} | {c['ridge_lambda']} ({c['scaling']}) | {v['calibration_rows']} | "
+                         f"{v['r2_k_mean']:.3f} | {v['r2_v_mean']:.3f} | {v.get('attn_cos_mean', float('nan')):.3f} | "
+                         f"{v['in_sample_r2_k']:.2f} / {v['in_sample_r2_v']:.2f} | "
+                         f"{100 * w['top10']:.0f} / {100 * w['top30']:.0f} / {100 * w['top50']:.0f}% | "
+                         f"{v['fit_solve_s']:.0f} | {v['map_mb']:.0f} |")
+    return "\n".join(lines)
 
 
 def residual(a, argv) -> None:

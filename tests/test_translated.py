@@ -577,3 +577,38 @@ def test_combined_scorer_averages_ranks():
     c.reset(4, torch.device("cpu"))
     # ranks: big [0, 2, 1, 3], small [3, 0, 2, 1] -> sums [3, 2, 3, 4] / 3
     torch.testing.assert_close(c.scores(None, None), torch.tensor([3.0, 2.0, 3.0, 4.0]) / 3)
+
+
+def test_pair_fit_uses_the_measured_default_of_the_kind(tmp_path, monkeypatch):
+    """`python -m hf_kvreuse.translation fit` makes the best measured kind (kv+hidden) with its measured ridge, and
+    qwen_pair_mapper passes each kind's ridge on. Planted bug: qwen_pair_mapper drops ``ridge_lambda=lam`` (the
+    hidden kinds are fitted at KVMapper.fit's 0.01, where they overfit) -> fails: the recorded ridge."""
+    from hf_kvreuse.translation import __main__ as cli
+    from hf_kvreuse.translation import pairs
+
+    seen = {}
+
+    class FakeMapper:
+        kind = "kv+hidden"
+        info = {}
+        layers = []
+
+        def save(self, path):
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "mapper.json").write_text("{}")
+
+    def fake_fit(source, target, calib, **kw):
+        seen.update(kw)
+        return FakeMapper()
+
+    monkeypatch.setattr(pairs, "calibration_ids", lambda tok, n, max_tokens: [torch.arange(8)])
+    monkeypatch.setattr(pairs.KVMapper, "fit", staticmethod(fake_fit))
+    monkeypatch.setattr("hf_kvreuse.models.load_qwen", lambda *a, **k: (object(), object()))
+    cli.main(["fit", "--out", str(tmp_path / "m"), "--calibration", "1"])
+    assert seen["inputs"] == pairs.FIT_DEFAULT_INPUTS == "kv+hidden"
+    assert seen["ridge_lambda"] == pairs.DEFAULT_RIDGE["kv+hidden"] == 0.3
+    for kind, lam in pairs.DEFAULT_RIDGE.items():
+        pairs.qwen_pair_mapper(object(), object(), object(), path=tmp_path / kind, inputs=kind, progress=False)
+        assert (seen["inputs"], seen["ridge_lambda"]) == (kind, lam)
+    pairs.qwen_pair_mapper(object(), object(), object(), path=tmp_path / "x", inputs="kv", ridge_lambda=0.5)
+    assert seen["ridge_lambda"] == 0.5
