@@ -3,7 +3,10 @@ interval live in the package and are re-exported here)."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+from pathlib import Path
 from typing import Callable, Sequence
 
 
@@ -65,3 +68,14 @@ MEMORY_COLUMNS = [
 ]
 
 
+
+
+def write_json(path: Path | str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` atomically (a temporary file renamed over it): a run killed at any moment leaves
+    the previous complete checkpoint, never a truncated file. Benchmarks call it after every row, with
+    ``complete: False`` until the last one, so a step cut by its time limit keeps what it measured."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)

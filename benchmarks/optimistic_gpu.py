@@ -7,7 +7,8 @@ are random tokens: agent A = role_A ⊕ shared block, agent B = role_B ⊕ share
 A's cache), plus the floor prefill(new tokens) + one decode step, and first checks exactness in float32.
 Peak memory growth of each generate (``torch.cuda.max_memory_allocated`` above the level before it, through
 hf_kvreuse.timing.PeakMemory) is reported beside full prefill's.
-Runs with torch 2.11 / transformers 5.17 and newer. Writes JSON (and a PNG if matplotlib is present).
+Runs with torch 2.11 / transformers 5.17 and newer. Writes JSON after the checks and every repetition (a run cut
+by a time limit keeps what it measured; ``complete`` turns true at the end).
 
     python benchmarks/optimistic_gpu.py                       # on a CUDA machine
     python benchmarks/optimistic_gpu.py --device cpu --preset tiny --reps 1    # smoke run anywhere
@@ -32,7 +33,8 @@ from hf_kvreuse.timing import PeakMemory, TokenTimer
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MEMORY_COLUMNS, TIMING_COLUMNS, floor_seconds, markdown_table, seconds, summarize  # noqa: E402
+from common import (MEMORY_COLUMNS, TIMING_COLUMNS, floor_seconds, markdown_table, seconds, summarize,  # noqa: E402
+                    write_json)
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -116,6 +118,7 @@ def main():
     ap.add_argument("--background-chunk-tokens", type=int, default=None,
                     help="chunked background prefill: bounds its activations (measure the time it costs)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-checks", action="store_true", help="skip the float32 exactness checks (a second run)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "optimistic_gpu.json")
     args = ap.parse_args()
@@ -132,11 +135,16 @@ def main():
                 max_optimistic_tokens=args.max_optimistic_tokens, background_start=args.background_start,
                 background_chunk_tokens=args.background_chunk_tokens)
     print(json.dumps(meta))
-    checks = check_exactness(device)
+    # checkpoints: the JSON is rewritten after the checks and after every repetition (``complete`` turns true at
+    # the end; ``in_progress`` holds the samples of an unfinished row), so a run cut by a time limit keeps them
+    doc = dict(meta=meta, checks=None, rows=[], in_progress=None, complete=False)
+    write_json(args.out, doc)
+    checks = doc["checks"] = None if args.no_checks else check_exactness(device)
+    write_json(args.out, doc)
     print("exactness checks (fp32):", checks, flush=True)
 
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    rows = []
+    rows = doc["rows"]
     for shape in models:
         model = build(shape, device, dtype)
         warm = prompts(model.config.vocab_size, 256, 16, 16, device, seed=0)[0]
@@ -144,6 +152,7 @@ def main():
             model.generate(warm, max_new_tokens=8, do_sample=False)
         for ctx in contexts:
             samples = []
+            doc["in_progress"] = dict(model=shape, context_tokens=ctx, samples=samples)
             for rep in range(args.reps):
                 ids_a, ids_b, ans = prompts(model.config.vocab_size, ctx, args.role_tokens, args.answer_tokens,
                                             device, seed=rep)
@@ -172,18 +181,21 @@ def main():
                          opt_mem_mib=mem["opt"],
                          identical=bool(torch.equal(res["opt"][2], res["full"][2].sequences)), **st.as_dict())
                 samples.append(s)
+                write_json(args.out, doc)
                 print(f"{shape} ctx {ctx} rep {rep}: full {s['full_ttft']*1e3:.1f}/{s['full_e2e']*1e3:.0f} ms, "
                       f"opt {s['opt_ttft']*1e3:.1f}/{s['opt_e2e']*1e3:.0f} ms, floor {fl*1e3:.1f} ms, "
                       f"swap@{st.swap_step}, bg {st.background_prefill_s and st.background_prefill_s*1e3:.0f} ms, "
                       f"mem full {mem['full']:.0f} / opt {mem['opt']:.0f} MiB",
                       flush=True)
             rows.append(dict(model=shape, context_tokens=ctx, **summarize(samples), samples=samples))
+            doc["in_progress"] = None
+            write_json(args.out, doc)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, checks=checks, rows=rows), indent=1))
+    doc["complete"] = True
+    write_json(args.out, doc)
     ms = {"TTFT full": "full_ttft_s", "TTFT opt": "opt_ttft_s", "floor": "floor_s", "E2E full": "full_e2e_s",
           "E2E opt": "opt_e2e_s"}
     columns = [("model", lambda r: r["model"]), ("shared ctx", lambda r: str(r["context_tokens"]))] + [

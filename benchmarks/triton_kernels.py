@@ -4,7 +4,8 @@ Sizes are a serving model's cache (32 layers x 8 KV heads x 128 dims, bf16) at s
 default). Per kernel and length: median time of each path (CUDA events), speed-up of Triton over torch, the bytes
 the operation has to move at least, and the achieved bandwidth as a fraction of ``--peak-tbps`` (the H200's
 ~4.8 TB/s). Targets (issue 11): each kernel >= 3x its eager reference, >= 60 % of peak for the memory-bound ones.
-Also records the largest |triton - torch| difference per case. Writes JSON (and a PNG when matplotlib is there).
+Also records the largest |triton - torch| difference per case. Writes JSON after every row (``complete`` turns true
+after the last: a run cut by a time limit keeps its rows) and a PNG when matplotlib is there.
 
     python benchmarks/triton_kernels.py                                        # on a CUDA machine
     TRITON_INTERPRET=1 python benchmarks/triton_kernels.py --device cpu --tokens 40 --reps 1   # smoke run anywhere
@@ -26,7 +27,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import markdown_table  # noqa: E402
+from common import markdown_table, write_json  # noqa: E402
 from kernel_cases import all_cases  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -66,11 +67,19 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --device cpu with TRITON_INTERPRET=1 for a smoke run")
-    rows = []
-    for case in all_cases():
-        if args.only and case.name not in args.only:
-            continue
-        for tokens in args.tokens:
+    result = dict(command=" ".join(["python"] + sys.argv), device=str(device),
+                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  dtype=args.dtype, peak_tbps=args.peak_tbps, torch=torch.__version__, complete=False, rows=[])
+    try:
+        import triton
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
+    rows = result["rows"]
+    write_json(args.out, result)  # a run cut by a time limit keeps every row measured before (checkpoints)
+    cases = [c for c in all_cases() if not args.only or c.name in args.only]
+    for tokens in args.tokens:  # every kernel at the shorter lengths first: a cut run still covers each kernel
+        for case in cases:
             row = dict(kernel=case.name, tokens=tokens)
             try:
                 prep = case.make(device, dtype, tokens)
@@ -91,15 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
+            write_json(args.out, result)
             print(json.dumps(row), flush=True)
-    result = dict(command=" ".join(["python"] + sys.argv), device=str(device),
-                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  dtype=args.dtype, peak_tbps=args.peak_tbps, torch=torch.__version__, rows=rows)
-    try:
-        import triton
-        result["triton"] = triton.__version__
-    except ImportError:
-        result["triton"] = None
+    result["complete"] = True
+    write_json(args.out, result)
     ok = [r for r in rows if "error" not in r]
     print(markdown_table(ok, [
         ("kernel", lambda r: r["kernel"]), ("tokens", lambda r: str(r["tokens"])),
@@ -111,8 +115,6 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         if "error" in r:
             print(f"FAILED {r['kernel']} @ {r['tokens']}: {r['error']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     try:
         import matplotlib

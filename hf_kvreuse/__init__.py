@@ -14,7 +14,7 @@ from .cache_classes import (BaseLRCache, BaseLRStats, BlendCache, BlockReuseCach
                             TurnStats, find_blocks)
 from .chunk_store import ChunkStore, KVChunk
 from .compat import output_cache
-from .generation import disable, enable, is_enabled
+from .generation import disable, enable, install_routing, is_enabled
 from .latent import LatentBridge, LatentBridgeMismatchError
 from .lora import LoraSplit, UnsupportedAdapterError
 from .model_check import UnsupportedModelError
@@ -26,6 +26,8 @@ from .session import ReuseSession, SessionStats
 from .pipeline import KVReuseTextGenerationPipeline, register as _register_pipeline
 
 _register_pipeline()
+# model.generate(ids, cache=SomeCache(model, ...)) on a model that was never enabled: see generation/mixin.py
+install_routing()
 
 __version__ = "0.1.0"
 

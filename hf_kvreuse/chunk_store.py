@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache
 
 from .compat import cache_kwargs
+from .devices import input_device
+from .fingerprint import model_fingerprint  # noqa: F401 - re-exported: chunk keys use it
 from .kv import KV, kv_of, slice_kv
 
 
@@ -26,25 +28,6 @@ def _ids_digest(ids: Sequence[int] | torch.Tensor | None) -> str:
         return "-"
     t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu().contiguous()
     return hashlib.sha1(t.numpy().tobytes()).hexdigest()
-
-
-def model_fingerprint(model) -> str:
-    """Identifies the weights (and active adapters) that produce a chunk's K/V.
-
-    Hashes the config, a strided sample of every parameter (so fine-tunes or LoRA weights that leave the
-    embeddings alone still change it) and, for peft-wrapped models, which adapters are active or disabled.
-    """
-    h = hashlib.sha1(model.config.to_json_string(use_diff=False).encode())
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 8)][:8].float().cpu()
-        h.update(name.encode())
-        h.update(sample.numpy().tobytes())
-    for module in model.modules():
-        if hasattr(module, "active_adapters") and hasattr(module, "disable_adapters"):
-            h.update(repr((module.active_adapters, module.disable_adapters)).encode())
-            break
-    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -131,7 +114,7 @@ class ChunkStore:
         chunk = self.get(model, token_ids, prefix_ids, adapter, producer)
         if chunk is not None:
             return chunk
-        device = next(model.parameters()).device
+        device = input_device(model)
         prefix = torch.as_tensor(prefix_ids if prefix_ids is not None else [], dtype=torch.long).reshape(1, -1)
         ids = torch.cat([prefix, token_ids], 1).to(device)
         cache = DynamicCache(config=model.config)

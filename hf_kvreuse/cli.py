@@ -117,11 +117,15 @@ def run(args) -> dict:
     for shape, ctx in jobs:
         for q, (doc, item) in enumerate(data[ctx]):
             for method in methods:
-                session = ReuseSession(model, max_bytes=args.max_bytes, policy=method)
+                session = ReuseSession.for_method(model, method, max_bytes=args.max_bytes)
                 run_ = run_workflow(session, tok, doc, item.question, shape=shape, rounds=args.rounds,
                                     max_new_tokens=args.max_new_tokens)
                 turns = [{k: v for k, v in t.__dict__.items() if k != "prompt_ids"} for t in run_.turns]
-                if args.floor and method == "auto":
+                for d in turns:
+                    # first token decoded (a draft under rebase="verify") vs first token the caller receives
+                    cs = d["stats"].get("cache_stats") or {}
+                    d["draft_ttft_s"] = cs.get("ttft_s") if cs.get("rebase") == "verify" else d["stats"]["ttft_s"]
+                if args.floor and method.startswith("auto"):
                     for t, d in zip(run_.turns, turns):
                         s = d["stats"]
                         new = s["prompt_tokens"] - 1 - s["exact_prefix_tokens"] - s["donor_tokens"]
@@ -133,12 +137,16 @@ def run(args) -> dict:
                 records.append(rec)
                 bar.update(1)
             ref = next(r for r in records[-len(methods):] if r["method"] == "full")
+            partial = Path(args.out) / "bench.partial.json"  # a stopped run keeps every finished question
             for r in records[-len(methods):]:
                 r["agrees"] = normalize_answer(r["final"]) == normalize_answer(ref["final"])
                 r["judge_agrees"] = r["judge_choice"] == ref["judge_choice"] if shape == "judge" else None
                 r["e2e_ratio"] = r["e2e_s"] / ref["e2e_s"]
                 for t, tf in zip(r["turns"], ref["turns"]):
-                    t["ttft_ratio"] = t["stats"]["ttft_s"] / tf["stats"]["ttft_s"]
+                    t["ttft_ratio"] = t["draft_ttft_s"] / tf["stats"]["ttft_s"]
+                    t["first_verified_ratio"] = t["stats"]["ttft_s"] / tf["stats"]["ttft_s"]
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(dict(config=vars(args), records=records), default=str))
     bar.close()
     return dict(config=vars(args), summary=summarize(records, methods), records=records)
 
@@ -160,11 +168,17 @@ def summarize(records: list[dict], methods: list[str]) -> list[dict]:
                        agreement=k_agree / n, agreement_ci=wilson(k_agree, n),
                        ttft_s=med(t["stats"]["ttft_s"] for t in turns),
                        ttft_ratio=med(t["ttft_ratio"] for t in turns),
+                       first_verified_ratio=med(t.get("first_verified_ratio", t["ttft_ratio"]) for t in turns),
                        e2e_s=med(r["e2e_s"] for r in rs), e2e_ratio=med(r["e2e_ratio"] for r in rs),
                        exact_prefix_frac=sum(t["stats"]["exact_prefix_tokens"] for t in turns)
                        / sum(t["stats"]["prompt_tokens"] for t in turns),
                        donor_frac=sum(t["stats"]["donor_tokens"] for t in turns)
                        / sum(t["stats"]["prompt_tokens"] for t in turns))
+            drafts = [(t["stats"]["cache_stats"] or {}) for t in turns if t["stats"].get("cache_stats")]
+            kept = sum(c.get("accepted_tokens") or 0 for c in drafts)
+            withdrawn = sum(c.get("rejected_tokens") or 0 for c in drafts)
+            if kept + withdrawn:
+                row["accepted_share"] = kept / (kept + withdrawn)
             if shape == "judge":
                 k = sum(bool(r["judge_agrees"]) for r in rs)
                 row.update(judge_consistency=k / n, judge_consistency_ci=wilson(k, n))
@@ -244,13 +258,15 @@ def plot(result: dict, out: Path) -> None:
 
 
 def print_summary(rows: list[dict]) -> None:
-    head = f"{'workflow':16} {'ctx':>5} {'method':11} {'n':>3} {'acc':>5} {'agree':>6} {'TTFT s':>7} " \
-           f"{'TTFTx':>6} {'e2e x':>6} {'/floor':>6}"
+    head = f"{'workflow':16} {'ctx':>5} {'method':18} {'n':>3} {'acc':>5} {'agree':>6} {'TTFT s':>7} " \
+           f"{'TTFTx':>6} {'1stOKx':>6} {'e2e x':>6} {'kept':>5} {'/floor':>6}"
     print(head)
     for r in rows:
         fl = f"{r['ttft_over_floor']:.2f}" if "ttft_over_floor" in r else "-"
-        print(f"{r['workflow']:16} {r['context_tokens']:>5} {r['method']:11} {r['n']:>3} {r['accuracy']:>5.2f} "
-              f"{r['agreement']:>6.2f} {r['ttft_s']:>7.3f} {r['ttft_ratio']:>6.2f} {r['e2e_ratio']:>6.2f} {fl:>6}")
+        kept = f"{r['accepted_share']:.2f}" if "accepted_share" in r else "-"
+        print(f"{r['workflow']:16} {r['context_tokens']:>5} {r['method']:18} {r['n']:>3} {r['accuracy']:>5.2f} "
+              f"{r['agreement']:>6.2f} {r['ttft_s']:>7.3f} {r['ttft_ratio']:>6.2f} "
+              f"{r.get('first_verified_ratio', r['ttft_ratio']):>6.2f} {r['e2e_ratio']:>6.2f} {kept:>5} {fl:>6}")
 
 
 def merge(paths: list[str], out: Path) -> dict:
@@ -277,7 +293,7 @@ def _csv(kind):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .session import POLICIES
+    from .session import MODES
     from .workflows.graphs import SHAPES
 
     p = argparse.ArgumentParser(prog="hf-kvreuse", description="hf_kvreuse command line")
@@ -305,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(merge(args.files, Path(args.out))["summary"])
         return 0
     for m in args.methods:
-        if m not in POLICIES or m in ("translated", "base_lr"):
-            runnable = [p for p in POLICIES if p not in ("translated", "base_lr")]
+        if m not in MODES or m in ("translated", "base_lr"):
+            runnable = [p for p in MODES if p not in ("translated", "base_lr")]
             raise SystemExit(f"--methods: {m!r} is not a session policy the bench can run ({runnable}; translated "
                              "needs a source model and a map, base_lr a peft model)")
     for w in args.workflows:

@@ -33,12 +33,27 @@ def _module_device(module: nn.Module) -> torch.device | None:
     return None
 
 
+def input_device(model) -> torch.device:
+    """Where the model computes its inputs (token ids go there): the execution device of accelerate's hooks when
+    the model is dispatched or offloaded (its parameters may then sit on ``meta``), else the first parameter's."""
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None:
+            device = _module_device(module)
+            if device is not None and device.type != "meta":
+                return device
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
 def layer_devices(model) -> list[torch.device]:
     """The device each decoder layer computes on (and so holds its K/V on), in layer order.
 
     Falls back to the device of the model's first parameter for every layer when the layers cannot be found.
     """
-    first = next(model.parameters()).device
+    first = input_device(model)
     layers = decoder_layers(model)
     n = model.config.num_hidden_layers
     if layers is None:

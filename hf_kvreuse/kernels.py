@@ -180,6 +180,6 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     if backend(q) == "triton":
         return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out,
                                          block_m=positions.block_m, block_n=positions.block_n,
-                                         ends=positions.ends(q.device))
+                                         ends=functools.partial(positions.ends, q.device))
     return selected_attention_blocked(q, k, v, q_pos, k_pos, scaling, k_valid, plan=positions.plan(q.device),
                                       out=out)

@@ -133,13 +133,26 @@ def copy_shifted_(dst: torch.Tensor, src: torch.Tensor, shifter=None, delta: int
         shifter.shift_into(dst, src, delta, chunk)
 
 
-def load_kv(cache: Cache, kv: KV) -> Cache:
-    """Replace the contents of ``cache``'s layers with ``kv`` (lazily initialising empty layers)."""
+def load_kv(cache: Cache, kv: KV, seq_length: int | None = None) -> Cache:
+    """Replace the contents of ``cache``'s layers with ``kv`` (lazily initialising empty layers).
+
+    ``seq_length``: how many tokens the K/V stand for (default: the most rows any layer holds). A sliding-window
+    layer (transformers' ``DynamicSlidingWindowLayer``) keeps only its last ``window - 1`` rows, so its token count
+    is recorded separately (``cumulative_length``): it sizes the mask and decides what the next update drops.
+    """
     if len(kv) != len(cache.layers):
         raise ValueError(f"KV has {len(kv)} layers, the cache {len(cache.layers)}")
+    if seq_length is None:
+        seq_length = max((k.shape[-2] for k, _ in kv), default=0)
     for layer, (k, v) in zip(cache.layers, kv):
         init_layer(layer, k, v)
+        window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+        if window is not None and k.shape[-2] != min(seq_length, window - 1):
+            raise ValueError(f"a sliding-window layer (window {window}) of a cache of {seq_length} tokens holds "
+                             f"{min(seq_length, window - 1)} rows, got {k.shape[-2]}")
         layer.keys, layer.values = k, v
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = seq_length
     return cache
 
 

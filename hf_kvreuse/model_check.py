@@ -254,27 +254,31 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
         Probe again even if a cached result exists.
     """
     target = _target(model)
-    param = next(target.parameters())
+    from .devices import input_device
     from .generation.selected import base_attn, selected_path
 
+    # an offloaded model keeps its parameters on ``meta`` between forwards: probe where it computes
+    device = input_device(target)
+    dtype = next(target.parameters()).dtype
+    like = torch.empty(0, dtype=dtype, device=device)
     attn = base_attn(target.config)
     try:  # the engine's attention path depends on HF_KVREUSE_KERNELS: probe the one that runs
-        path = selected_path(target, param)
+        path = selected_path(target, like)
     except (RuntimeError, ValueError) as e:  # a backend that cannot run here: the probe records its failure
         path = f"unavailable: {e}"
-    key = (param.dtype, param.device, attn, path)
+    key = (dtype, device, attn, path)
     with _LOCK:
         seen = _CACHE.setdefault(target, {})
         if key in seen and not refresh:
             return seen[key]
         t0 = time.perf_counter()
         model_type = f"{type(target).__name__} (model_type={getattr(target.config, 'model_type', '?')!r})"
-        report = ModelCheck(model_type=model_type, dtype=str(param.dtype).replace("torch.", ""))
+        report = ModelCheck(model_type=model_type, dtype=str(dtype).replace("torch.", ""))
         report.extra["attention_path"] = path
-        tol = _tolerance(param.dtype)
-        ids = _probe_ids(target, param.device)
+        tol = _tolerance(dtype)
+        ids = _probe_ids(target, device)
         # the probe checks the model's layout, not the caller's numerics: no autocast
-        with torch.autocast(param.device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False):
             try:
                 (kv0, logits0), (kv1, _) = _forward_kv(target, ids, (0, PROBE_SHIFT))
             except Exception as e:  # noqa: BLE001
@@ -312,3 +316,68 @@ def require(model, *, rope: bool = False, engine: bool = False, layers: bool = F
     if layers and not report.layers_ok:
         raise UnsupportedModelError(f"{who} refuses {report.layers_reason}{note}")
     return report
+
+
+class _StopAfterLayer0(Exception):
+    pass
+
+
+@torch.no_grad()
+def check_donor(model, kv, ids: torch.Tensor, length: int, who: str, what: str = "donor_cache",
+                samples: int = 8) -> None:
+    """Refuse (``ValueError``) K/V that ``model`` did not compute: layer-0 keys depend only on the token and its
+    position (embedding, norm, projection, RoPE), so the cached layer-0 keys of a few of ``ids``' first ``length``
+    positions must equal what ``model`` itself computes there; another model of the same shape differs by order 1.
+
+    Caches a model returned from its own ``generate`` with its present weights skip the probe
+    (:func:`hf_kvreuse.fingerprint.made_by`). The probe runs layer 0 only (a forward hook stops the rest), on
+    ``samples`` positions spread over the donor, as independent one-token sequences at their positions.
+    """
+    from transformers import DynamicCache
+
+    from .compat import cache_kwargs
+    from .devices import decoder_layers, input_device
+    from .fingerprint import made_by
+
+    target = _target(model)
+    if made_by(kv, target) or made_by(kv, model) or length == 0:
+        return
+    from .kv import kv_of
+
+    k0 = kv_of(kv)[0][0]
+    pos = torch.linspace(0, length - 1, min(samples, length)).round().long().unique()
+    device = input_device(target)
+    tokens = ids.reshape(-1)[pos.to(ids.device)].to(device)[:, None]
+    cache = DynamicCache(config=target.config)
+    layers = decoder_layers(target)
+    hook = None
+    if layers is not None:
+        def stop(*_):
+            raise _StopAfterLayer0()
+        hook = layers[0].register_forward_hook(stop)
+    try:
+        with torch.autocast(device.type, enabled=False):
+            target(input_ids=tokens, position_ids=pos.to(device)[:, None], use_cache=True, logits_to_keep=1,
+                   **cache_kwargs(cache))
+    except _StopAfterLayer0:
+        pass
+    finally:
+        if hook is not None:
+            hook.remove()
+    mine = cache.layers[0].keys  # [samples, H, 1, D]
+    theirs = k0[0, :, pos.to(k0.device), :].transpose(0, 1)[:, :, None, :]  # [samples, H, 1, D]
+    if mine.shape != theirs.shape:
+        raise ValueError(f"{who}: {what} layer-0 keys have shape {tuple(k0.shape)}, which {_describe_model(target)} "
+                         "does not produce: was it made by another model?")
+    err = _rel(theirs.to(mine.device), mine)
+    tol = max(_tolerance(mine.dtype), _tolerance(theirs.dtype))
+    if not err <= tol:
+        raise ValueError(
+            f"{who}: {what} was not computed by this model ({_describe_model(target)}): its layer-0 keys differ from "
+            f"the model's own for the same tokens and positions by {err:.3g} relative (tolerance {tol:g}). It comes "
+            "from another model, another checkpoint, another adapter on k_proj, or other token ids. Pass the cache "
+            "this model's generate returned, or verify_donor=False if it is another adapter of this model on purpose")
+
+
+def _describe_model(model) -> str:
+    return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"

@@ -62,10 +62,10 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
                 raise TypeError("cache_factory must be a callable (model, input_ids) -> Cache")
             forward["cache_factory"] = cache_factory
         if method is not None:
-            from .session import POLICIES
+            from .session import MODES
 
-            if method not in POLICIES:
-                raise ValueError(f"method={method!r}: choose one of {POLICIES}")
+            if method not in MODES:
+                raise ValueError(f"method={method!r}: choose one of {sorted(MODES)}")
             forward["method"] = method
             forward["method_kwargs"] = dict(method_kwargs or {})
         elif method_kwargs:
@@ -81,7 +81,7 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
         key = method if not method_kwargs else f"{method}:{sorted(method_kwargs.items())!r}"
         with self._session_lock:
             if key not in self.sessions:
-                self.sessions[key] = ReuseSession(self.model, policy=method, method_kwargs=method_kwargs)
+                self.sessions[key] = ReuseSession.for_method(self.model, method, method_kwargs=method_kwargs)
             return self.sessions[key]
 
     def _forward(self, model_inputs, cache_factory: Callable | None = None, method: str | None = None,

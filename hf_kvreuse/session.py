@@ -25,7 +25,9 @@ Caches of approximate methods are kept as donors but never as an exact prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -34,12 +36,26 @@ from transformers import DynamicCache
 
 from .alignment import Alignment, align_multi
 from .compat import CACHE_KW, CACHE_NAMES
+from .devices import input_device, offloaded
+from .generation.options import call_options
 from .kv import KV, kv_of, load_kv
-from .timing import TokenTimer
+from .timing import TokenTimer, synchronize
 
 POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "latent", "translated",
             "base_lr")
 BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "latent")
+
+#: named reuse modes (the pipeline's and ``hf-kvreuse bench``'s ``method=`` names): every policy by its own name,
+#: plus the OptimisticCache variants of ``"auto"`` (issue 23's comparison; the gate margin and repair ratio are the
+#: measured defaults, README "Optimistic decoding that keeps the answers")
+MODES: dict[str, dict] = {
+    **{p: dict(policy=p) for p in POLICIES},
+    "auto-verify": dict(policy="auto", rebase="verify"),
+    "auto-commit": dict(policy="auto", rebase="commit"),
+    "auto-commit-gate": dict(policy="auto", rebase="commit", method_kwargs=dict(gate=0.5)),
+    "auto-commit-repair": dict(policy="auto", rebase="commit", method_kwargs=dict(repair="blend",
+                                                                                   repair_ratio=0.15)),
+}
 
 
 @dataclass
@@ -71,11 +87,26 @@ class SessionStats:
 @dataclass
 class _Entry:
     ids: torch.Tensor   # [L] on the CPU: the tokens whose K/V are held
-    kv: KV
+    kv: KV              # full-attention layers hold L rows; a sliding-window layer the last rows only
     exact: bool
     agent: str | None
     nbytes: int
     producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
+
+    def prefix_kv(self, p: int, windows: list[int | None]) -> KV | None:
+        """The K/V a cache of the first ``p`` tokens holds, from this entry's rows, or None where a sliding-window
+        layer has already dropped rows that such a cache keeps (``windows``: each layer's window, None: full)."""
+        n = self.ids.numel()
+        out = []
+        for (k, v), w in zip(self.kv, windows):
+            held = k.shape[-2]
+            first = n - held  # the token of this layer's first held row
+            keep = p if w is None else min(p, w - 1)  # a sliding layer keeps its last window - 1 tokens
+            if p > n or p - keep < first:
+                return None
+            a, b = p - keep - first, p - first
+            out.append((k[..., a:b, :], v[..., a:b, :]))
+        return out
 
 
 def _storage_bytes(kv: KV) -> int:
@@ -88,6 +119,13 @@ def _storage_bytes(kv: KV) -> int:
                 seen.add(st.data_ptr())
                 total += st.nbytes()
     return total
+
+
+def _generation_config_model(model):
+    """The module whose ``generation_config`` and ``config`` generate reads (a peft model's base model)."""
+    from .generation.mixin import _generation_target
+
+    return _generation_target(model)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -133,20 +171,42 @@ class ReuseSession:
     method_kwargs : dict, optional
         Keyword arguments of the method's cache class (e.g. ``recompute_ratio`` for blend,
         ``max_optimistic_tokens`` for optimistic, ``source_model`` and ``mapper`` for translated).
+    rebase : {"verify", "commit"}, default="verify"
+        How ``"auto"`` / ``"optimistic"`` treat the tokens decoded before the exact cache is ready
+        (:class:`~hf_kvreuse.OptimisticCache`): "verify" keeps the answers (greedy output equals plain ``generate``;
+        streamers get verified tokens only); "commit" streams the optimistic tokens at once (lowest time to the
+        first token; answers may differ). ``method_kwargs["rebase"]`` wins over it.
 
     Examples
     --------
     >>> session = ReuseSession(model, max_bytes=2 << 30)
     >>> out = session.generate(ids, agent="critic", max_new_tokens=64)
     >>> session.last_stats.exact_prefix_tokens, session.last_stats.donor_tokens, session.nbytes
+
+    Notes
+    -----
+    Calls whose tokens no reuse cache can produce step by step run through the exact-prefix path only: beam search
+    and ``num_return_sequences > 1`` (their result, several sequences, is not held) and models with sliding-window
+    attention layers (``"auto"`` then reuses exact prefixes; the approximate policies refuse such a model).
+    ``use_cache=False`` runs plain ``generate`` and holds nothing.
+
+    Thread safety: one :meth:`generate` at a time (others wait); :attr:`nbytes`, :meth:`held` and ``len()`` may be
+    read from any thread meanwhile; :meth:`clear` waits for a running call, then drops everything.
     """
 
     def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
-                 min_donor_tokens: int = 32, method_kwargs: dict | None = None):
+                 min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify"):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if max_bytes <= 0:
             raise ValueError("max_bytes must be > 0")
+        if "source_cache" in (method_kwargs or {}):
+            raise ValueError("method_kwargs['source_cache'] is the source model's cache of ONE prompt; the session "
+                             "would reuse it for every later prompt. Leave it out: the session prefills the source "
+                             "model for each prompt")
+        if rebase not in ("verify", "commit"):
+            raise ValueError(f"rebase={rebase!r}: choose 'verify' (keeps the answers) or 'commit' (fastest)")
+        self.rebase = rebase
         self.model = model
         self.max_bytes = int(max_bytes)
         self.policy = policy
@@ -158,27 +218,54 @@ class ReuseSession:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_key = 0
         self._trajectory = None  # the BaseLRCache of policy "base_lr"
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()      # one call at a time
+        self._state = threading.RLock()    # the held caches: short critical sections, readable during a call
+        # each layer's sliding window (None: full attention), as transformers' own DynamicCache builds it
+        self._windows = [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+                         for layer in DynamicCache(config=_generation_config_model(model).config).layers]
+        if any(self._windows):
+            self._check_policy_for_sliding(policy)
+
+    @classmethod
+    def for_method(cls, model, method: str, **kwargs) -> "ReuseSession":
+        """A session for one of the named :data:`MODES` (e.g. ``"auto-commit"``); ``kwargs`` go to the constructor
+        (``method_kwargs`` given here update the mode's)."""
+        if method not in MODES:
+            raise ValueError(f"method={method!r}: choose one of {sorted(MODES)}")
+        mode = dict(MODES[method])
+        mk = {**mode.pop("method_kwargs", {}), **(kwargs.pop("method_kwargs", None) or {})}
+        return cls(model, **{**mode, **kwargs}, method_kwargs=mk)
 
     # -- what is held ----------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """K/V bytes held now."""
-        held = sum(e.nbytes for e in self._entries.values())
-        return held + (self._trajectory.kv_bytes() if self._trajectory is not None else 0)
+        with self._state:
+            held = sum(e.nbytes for e in self._entries.values())
+            trajectory = self._trajectory
+        return held + (trajectory.kv_bytes() if trajectory is not None else 0)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._state:
+            return len(self._entries)
 
     def clear(self) -> None:
-        """Drop every held cache."""
-        self._entries.clear()
-        self._trajectory = None
+        """Drop every held cache (after the running call, if one runs: its cache is dropped too)."""
+        with self._lock, self._state:
+            self._entries.clear()
+            self._trajectory = None
 
     def held(self) -> list[dict]:
         """One row per held cache, least recently used first: tokens, exact, agent, bytes."""
-        return [dict(tokens=int(e.ids.numel()), exact=e.exact, agent=e.agent, nbytes=e.nbytes)
-                for e in self._entries.values()]
+        with self._state:
+            return [dict(tokens=int(e.ids.numel()), exact=e.exact, agent=e.agent, nbytes=e.nbytes)
+                    for e in self._entries.values()]
+
+    def _check_policy_for_sliding(self, policy: str) -> None:
+        if policy not in ("auto", "full", "prefix"):
+            raise ValueError(f"policy={policy!r} needs caches that {type(self.model).__name__} cannot use: it has "
+                             f"sliding-window attention layers, which hf_kvreuse's reuse caches do not support. "
+                             "Use policy 'auto' or 'prefix' (exact prefix reuse), or 'full'")
 
     # -- generate --------------------------------------------------------------------------------------------
     def generate(self, input_ids, agent: str | None = None, policy: str | None = None, **generate_kwargs):
@@ -194,9 +281,32 @@ class ReuseSession:
         for name in CACHE_NAMES:
             if generate_kwargs.get(name) is not None:
                 raise ValueError(f"ReuseSession builds the cache itself: do not pass {name}=")
+        if any(self._windows):
+            self._check_policy_for_sliding(policy)
+        if policy == "translated" and "source_cache" in generate_kwargs:
+            raise ValueError("source_cache is not a generate keyword; the session prefills the source model itself")
         ids = self._check_ids(input_ids, generate_kwargs)
+        opts = call_options(_generation_config_model(self.model), generate_kwargs)
+        if not opts.stepwise and policy not in ("auto", "full", "prefix"):
+            raise ValueError(f"policy={policy!r} decodes one sequence token by token; this call asks for "
+                             f"{opts.mode} with {opts.sequences} sequences: use policy 'auto' or 'prefix' (exact "
+                             "prefix reuse), or 'full'")
         with self._lock:  # one call at a time: held caches and stats belong to the session
-            return self._generate(ids, agent, policy, generate_kwargs)
+            if not opts.use_cache:
+                return self._generate_uncached(ids, agent, policy, generate_kwargs)
+            return self._generate(ids, agent, policy, generate_kwargs, opts)
+
+    def _generate_uncached(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
+        """``use_cache=False``: plain ``generate`` (no cache to reuse or to keep)."""
+        stats = SessionStats(policy=policy, method="full", agent=agent, prompt_tokens=ids.shape[1],
+                             new_tokens=ids.shape[1], stored=False)
+        out = self._timed_generate(ids, None, kwargs, stats, timed=True)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        stats.generated_tokens = int(sequences.shape[1] - ids.shape[1])
+        stats.held_bytes = self.nbytes
+        self.calls += 1
+        self.last_stats = stats
+        return out
 
     def _check_ids(self, input_ids, kwargs: dict) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -209,12 +319,12 @@ class ReuseSession:
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.as_tensor(mask).all()):
             raise ValueError("ReuseSession does not support padding: pass an all-ones attention_mask or none")
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         # an explicit mask: generate must not mistake a pad id inside the prompt for padding
         kwargs["attention_mask"] = torch.ones_like(ids, device=device)
         return ids.to(device)
 
-    def _generate(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
+    def _generate(self, ids: torch.Tensor, agent, policy: str, kwargs: dict, opts):
         n = ids.shape[1]
         stats = SessionStats(policy=policy, method=policy, agent=agent, prompt_tokens=n)
         if policy == "base_lr":
@@ -222,30 +332,46 @@ class ReuseSession:
         from .chunk_store import model_fingerprint
 
         producer = model_fingerprint(self.model)  # another adapter's or model's K/V are never an exact prefix
-        entries = list(self._entries.items())  # least recently used first
+        with self._state:
+            entries = list(self._entries.items())  # least recently used first
         cpu_ids = ids[0].cpu()
         trusted = [i for i, (_, e) in enumerate(entries) if e.exact and e.producer == producer]
-        # the exact prefix: the longest over the exact held caches (the last prompt token is always fed)
-        prefix, prefix_key = 0, None
+        # the exact prefix: the longest over the exact held caches (the last prompt token is always fed) whose
+        # sliding-window layers still hold the rows a cache of that prefix keeps
+        prefix, prefix_key, prefix_kv = 0, None, None
         for i in trusted:
             key, e = entries[i]
             p = min(_common_prefix(e.ids, cpu_ids), n - 1)
             if p > prefix:
-                prefix, prefix_key = p, key
+                kv = e.prefix_kv(p, self._windows)
+                if kv is not None:
+                    prefix, prefix_key, prefix_kv = p, key, kv
+        # only an exact prefix for the calls no reuse cache can serve (beams, several sequences, sliding layers);
+        # "auto" also keeps to it on an offloaded model, whose hooks cannot prefill in the background
+        prefix_only = not opts.stepwise or any(self._windows) or (policy == "auto" and offloaded(self.model))
         al = None
-        if policy not in ("full", "prefix", "translated") and entries:
+        if policy not in ("full", "prefix", "translated") and entries and not prefix_only:
             al = align_multi([e.ids for _, e in entries], cpu_ids, min_span=self.min_span,
                              target_limit=n - 1, prefix_donors=trusted)
+            if policy == "latent" and al.spans and al.spans[0].target_start == 0:
+                # LatentRemedyCache computes the agent's own prefix (the bridge reads its last hidden state): a
+                # span at token 0 is not one of the blocks it remedies
+                al = dataclasses.replace(al, spans=al.spans[1:], prefix_len=0)
         method = policy
-        if policy == "auto":
+        if prefix_only and policy == "auto":
+            method = "prefix" if prefix else "full"
+        elif policy == "auto":
             donor_rows = (al.matched - al.prefix_len) if al is not None else 0
             method = "optimistic" if donor_rows >= self.min_donor_tokens else ("prefix" if prefix else "full")
         elif policy in ("optimistic",) + BLOCK_POLICIES and (al is None or not al.spans):
             method = "prefix" if prefix else "full"  # nothing held to reuse
         stats.method = method
 
-        cache, used = self._build(method, ids, entries, al, prefix, prefix_key, stats, set(trusted), producer)
-        out = self._timed_generate(ids, cache, kwargs, stats)
+        cache, used = self._build(method, ids, entries, al, prefix, prefix_key, prefix_kv, stats, set(trusted),
+                                  producer)
+        if opts.sequences > 1 and cache.get_seq_length():
+            cache.batch_repeat_interleave(opts.sequences)  # generate expands the prompt, not a cache it is given
+        out = self._timed_generate(ids, cache, kwargs, stats, timed=opts.sequences == 1)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
         cs = getattr(cache, "stats", None)
@@ -256,23 +382,35 @@ class ReuseSession:
             stats.background_tokens = cache.stats.background_tokens
         elif method not in ("full", "prefix"):
             stats.exact = False
-        for key in used:  # recently useful caches are the last to go
-            if key in self._entries:
-                self._entries.move_to_end(key)
-        self._store(cache, sequences, stats, agent, producer)
+        with self._state:
+            for key in used:  # recently useful caches are the last to go
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+            if sequences.shape[0] == 1:  # beams / several returned sequences: nothing row-for-row to hold
+                self._store(cache, sequences, stats, agent, producer)
+            else:
+                stats.held_bytes = self.nbytes
         self.calls += 1
         self.last_stats = stats
         return out
 
-    def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats):
-        """``model.generate`` with ``cache``; TTFT and total time from a streamer (the caller's still gets every
-        token)."""
+    def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats, timed: bool = True):
+        """``model.generate`` with ``cache`` (None: no cache keyword); TTFT and total time from a streamer (the
+        caller's still gets every token). ``timed=False`` (beam search refuses streamers): total time only."""
+        kwargs = dict(kwargs)
         timer = TokenTimer(ids.device)
-        kwargs = dict(kwargs, streamer=_Tee(timer, kwargs.get("streamer")))
-        kwargs[CACHE_KW] = cache
+        if timed:
+            kwargs["streamer"] = _Tee(timer, kwargs.get("streamer"))
+        if cache is not None:
+            kwargs[CACHE_KW] = cache
         timer.start()
+        t0 = time.perf_counter()
         out = self.model.generate(ids, **kwargs)
-        stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        if timed:
+            stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s
+        else:
+            synchronize(ids.device)
+            stats.total_s = time.perf_counter() - t0
         return out
 
     def _generate_base_lr(self, ids: torch.Tensor, stats: SessionStats, kwargs: dict):
@@ -297,7 +435,7 @@ class ReuseSession:
         return out
 
     # -- one cache per method --------------------------------------------------------------------------------
-    def _build(self, method: str, ids, entries, al: Alignment | None, prefix: int, prefix_key, stats,
+    def _build(self, method: str, ids, entries, al: Alignment | None, prefix: int, prefix_key, prefix_kv, stats,
                trusted: set, producer: str):
         """The cache ``generate`` runs with, and the keys of the held caches it reads."""
         from .generation.mixin import enable
@@ -310,9 +448,8 @@ class ReuseSession:
         if method == "prefix":
             cache = DynamicCache(config=self.model.config)
             if prefix:
-                e = self._entries[prefix_key]
                 # views of the held rows: DynamicCache appends by concatenation, so they are never written
-                load_kv(cache, [(k[..., :prefix, :], v[..., :prefix, :]) for k, v in e.kv])
+                load_kv(cache, prefix_kv, seq_length=prefix)
             stats.exact_prefix_tokens, stats.new_tokens = prefix, n - prefix
             return cache, [prefix_key] if prefix else []
         if method == "translated":
@@ -338,8 +475,10 @@ class ReuseSession:
             caches = [entries[d][1].kv for d in donors]
             dids = [entries[d][1].ids[None] for d in donors]
             exact = [d in trusted for d in donors]
+            # held caches were made by this model (under some adapter): no donor probe
             return OptimisticCache(self.model, ids, caches, dids, donor_exact=exact,
-                                   **{"min_span": self.min_span, **kw}), used
+                                   **{"min_span": self.min_span, "verify_donor": False, "rebase": self.rebase,
+                                      **kw}), used
         return self._block_cache(method, ids, entries, al, kw, producer), used
 
     def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict, producer: str):
@@ -365,8 +504,11 @@ class ReuseSession:
     # -- keeping the result ----------------------------------------------------------------------------------
     def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str) -> None:
         kv = list(kv_of(cache))
-        length = kv[0][0].shape[-2]
-        if getattr(cache, "logical_offset", 0) or length > sequences.shape[1]:
+        # the tokens the cache stands for (a sliding-window layer holds fewer rows than that; layer 0 may be one)
+        length = int(cache.get_seq_length())
+        rows_ok = all(k.shape[-2] == (length if w is None else min(length, w - 1))
+                      for (k, _), w in zip(kv, self._windows))
+        if getattr(cache, "logical_offset", 0) or length > sequences.shape[1] or not rows_ok:
             stats.held_bytes = self.nbytes
             return  # compressed or padded layouts are not reusable row for row
         entry = _Entry(ids=sequences[0, :length].cpu(), kv=kv, exact=stats.exact, agent=agent,

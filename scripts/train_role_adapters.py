@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hf_kvreuse.artifacts import record_files  # noqa: E402
 from hf_kvreuse.models.loaders import MODEL_KEYS, MODEL_NAMES, load_by_key  # noqa: E402
 from hf_kvreuse.workflows import react  # noqa: E402
 from hf_kvreuse.workflows.datasets import SquadItem, squad  # noqa: E402
@@ -278,6 +279,8 @@ def main() -> None:
         result["train_seconds_total"] = round(sum(result["train"][r]["seconds"] for r in react.ROLES), 1)
         print(f"total training time {result['train_seconds_total']} s", flush=True)
         pm.save_pretrained(args.save_dir)
+        for role in react.ROLES:  # the sha256 that load_role_adapters verifies
+            record_files(Path(args.save_dir) / role)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # the training record, before the long eval
         print(f"saved to {args.save_dir}")

@@ -204,6 +204,59 @@ def test_partial_forward_subset_equals_full_prefill(monkeypatch, kind, arch):
         assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("kind", ["torch", "triton"])
+def test_partial_forward_builds_no_mask_on_the_selected_path(monkeypatch, kind):
+    """On the selected-row paths (blocked SDPA on torch, the Triton kernel) ``partial_forward`` never builds the
+    ``[R, N]`` position mask (whole model and a layer range; the model gets a zero-memory placeholder), and still
+    reproduces full prefill. Layers the wrapper does not handle get the real mask, built once per forward however
+    many fall back; the eager model on torch (the mask path) builds it once.
+
+    Planted bug that fails it: ``partial_forward`` builds the mask before choosing the path (the code before
+    issue 22: one ``position_causal_mask`` call per forward on every path)."""
+    from hf_kvreuse.generation import partial as partial_mod
+
+    monkeypatch.setenv("HF_KVREUSE_KERNELS", kind)
+    built = []
+    orig = partial_mod.position_causal_mask
+    monkeypatch.setattr(partial_mod, "position_causal_mask", lambda *a, **kw: (built.append(a[2]), orig(*a, **kw))[1])
+    model = tiny_model("llama")
+    n_layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    ref, ref_logits = exact_prefill(model, ids)
+    rows = torch.tensor([3, 4, 11, 20, 21, 22, 35, 39])
+
+    def run(layers=False):
+        kv = [(k.clone(), v.clone()) for k, v in kv_of(ref)]
+        for k, v in kv:
+            k[..., rows, :] = 0
+            v[..., rows, :] = 0
+        if layers:
+            h = partial_forward(model, ids, rows, kv, layers=range(0, 1))
+            partial_forward(model, ids, rows, kv, layers=range(1, n_layers), hidden_states=h)
+        else:
+            out = partial_forward(model, ids, rows, kv, logits_to_keep=0)
+            torch.testing.assert_close(out.logits, ref_logits[:, rows], atol=1e-4, rtol=1e-4)
+        assert_kv_close(kv, ref)
+
+    run()
+    run(layers=True)
+    assert built == []
+    # every layer but the first falls back to the model's own attention: one mask per forward, built on first use
+    handles = sel_mod._handles
+    monkeypatch.setattr(sel_mod, "_handles", lambda module, *a: module.layer_idx == 0 and handles(module, *a))
+    run()
+    assert built == [torch.float32]
+    built.clear()
+    run(layers=True)
+    assert built == [torch.bool]  # only the second range (layers 1..) falls back; the sdpa layer path's bool form
+    built.clear()
+    monkeypatch.setenv("HF_KVREUSE_KERNELS", "torch")
+    eager = tiny_model("llama", attn_implementation="eager")
+    kv = [(k.clone(), v.clone()) for k, v in kv_of(exact_prefill(eager, ids)[0])]
+    partial_forward(eager, ids, rows, kv)
+    assert built == [torch.float32]
+
+
 def test_eager_model_on_torch_keeps_the_mask_path(monkeypatch):
     """An eager model on the torch backend keeps the explicit mask (bit-identical to before: no wrapper call);
     on the triton backend it takes the kernel. Both reproduce full prefill.

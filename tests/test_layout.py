@@ -4,6 +4,9 @@ public API only; the moved modules import from their new homes."""
 import ast
 from pathlib import Path
 
+import pytest
+import torch
+
 PKG = Path(__file__).resolve().parents[1] / "hf_kvreuse"
 
 
@@ -81,3 +84,13 @@ def test_moved_modules_import_from_their_new_homes():
                                      tiny_model, cache_dir, agent_prompt, role_text, drop, qa_chat_ids, squad))
     assert OFFLINE_MODELS and CHECKS and SPECS and DEFAULT_AGENTS and isinstance(DEFAULT_AGENTS[0], Agent)
     assert react.load_role_adapters
+
+
+def test_loaders_take_dtype_names():
+    """``load_qwen(dtype="bf16")`` (as the CLI spells it) works; an unknown name is refused before any loading."""
+    from hf_kvreuse.models.loaders import as_dtype, load_offline
+
+    assert as_dtype("bf16") is torch.bfloat16 and as_dtype("fp32") is torch.float32
+    assert as_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="'int8'"):
+        load_offline("no-such-model", dtype="int8")

@@ -1,9 +1,13 @@
-"""The benchmark scripts stay runnable: a smoke run of the GPU script on CPU with a tiny model."""
+"""The benchmark scripts stay runnable (smoke runs on CPU with a tiny model), keep what they measured when cut, and
+the prepared GPU check keeps to its time budget."""
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
                                           "after_swap_equals_generate"))
     row = res["rows"][0]
     assert row["opt_ttft_s"] > 0 and row["full_ttft_s"] > 0 and len(row["samples"]) == 2
+    assert res["complete"] is True and res["in_progress"] is None  # checkpoints: see the kernel benchmark's test
 
 
 @pytest.mark.slow
@@ -50,16 +55,102 @@ def test_base_lr_benchmark_smoke(tmp_path):
     assert [r["act_pct"] for r in joined] == [r["act_pct"] for r in res["accuracy"]["rows"]]
 
 
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+STEPS = ["env", "gpu_kernels", "pytest_gpu", "kernels", "optimistic", "optimistic_chunked"]
+
+
+def test_gpu_check_budget_is_eight_minutes():
+    """The GPU check's worst case is at most 8 minutes: every step's limit plus its kill-after, plus the summary's
+    reserve, within the 480 s budget (and the budget itself, which the script also enforces as a deadline).
+
+    Planted bug that fails it: the step limits of issue 11 (60 + 200 + 150 + 90 s plus 10 s kill-afters: 9 min)."""
+    text = GPU_CHECK.read_text()
+
+    def setting(name: str, literal: str, absent: int) -> int:
+        """A variable's default (``NAME=${ENV:-N}``), else a literal in the command (``--kill-after=N``)."""
+        m = re.search(rf"^{name}=\$\{{\w+:-(\d+)\}}", text, re.M) or re.search(literal, text)
+        return int(m.group(1)) if m else absent
+
+    budget = setting("BUDGET_S", r"$^", 480)
+    kill = setting("KILL_AFTER", r"--kill-after=(\d+)", 0)
+    summary = setting("SUMMARY_S", r"$^", 0)
+    steps = re.findall(r"^run_step (\w+) (\d+) ", text, re.M)
+    worst = sum(int(limit) + kill for _, limit in steps) + summary
+    assert budget <= 480 and worst <= budget, (worst, budget)
+    assert [name for name, _ in steps] == STEPS
+
+
+def _fake_python(tmp_path: Path, behaviour: str) -> Path:
+    """An interpreter for the GPU check whose steps ``behaviour`` (a bash command, e.g. ``exec sleep 60``) while
+    the summary (``python -``) runs on the real one."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$1" = "-" ] && exec {sys.executable} "$@"\n{behaviour}\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_gpu_check_cuts_steps_at_the_deadline(tmp_path):
+    """Steps that hang are cut by their limits and by the budget's deadline: the check ends within its budget,
+    and gpu_check.json names what ran, what was cut and why.
+
+    Planted bug that fails it: ``run_step`` ignores the deadline (each step gets its full limit: the first
+    hanging step alone outlasts the 12 s budget)."""
+    out = tmp_path / "out"
+    env = dict(ENV, PYTHON=str(_fake_python(tmp_path, "exec sleep 60")), GPU_CHECK_BUDGET_S="12",
+               GPU_CHECK_KILL_AFTER_S="1", GPU_CHECK_SUMMARY_S="5", GPU_CHECK_MIN_STEP_S="2")
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(GPU_CHECK), str(out)], capture_output=True, text=True, timeout=60, env=env)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 1 and wall <= 12 + 1, (wall, proc.stdout[-2000:] + proc.stderr[-2000:])
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["ran"] == ["env"] and res["steps"]["env"]["outcome"] == "cut" and res["steps"]["env"]["limit_s"] <= 6
+    assert [c["step"] for c in res["cut"]] == STEPS
+    assert "limit" in res["cut"][0]["why"] and all("not started" in c["why"] for c in res["cut"][1:])
+    assert res["complete"] == {"kernels": None, "optimistic": None, "optimistic_chunked": None}
+
+
+def _killed_keeps_rows(cmd: list[str], out: Path, enough, timeout: float) -> dict:
+    """Start ``cmd``, wait until its JSON ``out`` satisfies ``enough``, SIGKILL it: the JSON it leaves."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(
+        ENV, TRITON_INTERPRET="1"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if enough(json.loads(out.read_text())):
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return json.loads(out.read_text())
+
+
+def test_kernel_benchmark_cut_keeps_its_rows(tmp_path):
+    """benchmarks/triton_kernels.py killed after its first row leaves a valid JSON with that row, marked
+    incomplete (what gpu_check.sh keeps when the step hits its limit).
+
+    Planted bug that fails it: the script writes its JSON only at the end (the code before issue 22)."""
+    out = tmp_path / "kernels.json"
+    res = _killed_keeps_rows([sys.executable, str(ROOT / "benchmarks" / "triton_kernels.py"), "--device", "cpu",
+                              "--dtype", "fp32", "--tokens", "8", "8000", "--reps", "1", "--warmup", "0",
+                              "--only", "token_deviation", "--out", str(out)], out,
+                             lambda d: len(d.get("rows", [])) >= 1, timeout=120)
+    assert res["complete"] is False and res["rows"][0]["tokens"] == 8 and "triton_s" in res["rows"][0]
+
+
 @pytest.mark.slow
 def test_gpu_check_script_without_gpu(tmp_path):
     """scripts/gpu_check.sh on a machine without a GPU: every step runs under its limit, the GPU tests are
     skipped (not failed), the exit status says the check did not pass, and gpu_check.json holds every step."""
     env = dict(ENV, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], capture_output=True,
-                          text=True, timeout=900, env=env)
+    proc = subprocess.run(["bash", str(GPU_CHECK), str(tmp_path)], capture_output=True, text=True, timeout=900,
+                          env=env)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert set(res["steps"]) == {"env", "pytest_gpu", "kernels", "optimistic"}
-    assert res["steps"]["pytest_gpu"]["rc"] == 0 and res["tests"]
+    assert list(res["steps"]) == STEPS and res["wall_s"] <= 480
+    assert res["steps"]["pytest_gpu"]["rc"] == 0 and res["steps"]["gpu_kernels"]["rc"] == 0 and res["tests"]
     assert all(t["outcome"] == "skipped" for t in res["tests"])
     assert "no CUDA device" in res["steps"]["kernels"]["log_tail"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvreuse.triton.selected_attention import selected_attention_triton, visible_end
+from hf_kvreuse.triton.selected_attention import SelectedPositions, selected_attention_triton
 
 from . import Case, Prepared
 
@@ -36,7 +36,7 @@ def make(device: torch.device, dtype: torch.dtype, tokens: int) -> Prepared:
     pos = torch.arange(tokens, device=device)
     mask = (pos[None, :] <= rows[:, None])[None, None]
     scale = DIM ** -0.5
-    ends = visible_end(rows, pos, None, 64)  # once per forward in the engine, shared by every layer
+    sel = SelectedPositions(rows, pos)  # once per forward in the engine, shared by every layer
     out = torch.empty(1, R, Q_HEADS, DIM, device=device, dtype=dtype)  # the layout attention functions return
     layer = _Layer()
     nbytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
@@ -45,7 +45,8 @@ def make(device: torch.device, dtype: torch.dtype, tokens: int) -> Prepared:
         return sdpa_attention_forward(layer, q, k, v, mask, scaling=scale)[0]
 
     def tri():
-        return selected_attention_triton(q, k, v, rows, pos, scale, out=out.transpose(1, 2), ends=ends)
+        return selected_attention_triton(q, k, v, rows, pos, scale, out=out.transpose(1, 2),
+                                         ends=lambda bm: sel.ends(device, bm))
 
     def check() -> float:
         return (tri().transpose(1, 2).float() - ref().float()).abs().max().item()

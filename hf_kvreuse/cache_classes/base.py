@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..devices import input_device
+from ..generation.options import STEPWISE_MODES, call_options
 from ..generation.protocol import ReuseCacheHooks
 from ..generation.selected import base_attn
 
@@ -68,7 +70,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         input_ids = as_batch1(input_ids, "input_ids")
         if input_ids.shape[1] < 2:
             raise ValueError(f"{type(self).__name__} needs a prompt of at least 2 tokens")
-        self.input_ids = input_ids.to(next(self.model.parameters()).device)
+        self.input_ids = input_ids.to(input_device(self.model))
 
     def begin_generate(self, model, input_ids, generate_kwargs: dict) -> None:
         """Refuse ``generate`` calls whose result would silently be wrong; mark the cache active."""
@@ -125,15 +127,17 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         mask = generate_kwargs.get("attention_mask")
         if mask is not None and not bool(mask.bool().all()):
             raise ValueError(f"padded attention_mask: {name} does not support padded batches")
-        cfg = copy.deepcopy(generate_kwargs.get("generation_config") or model.generation_config)
-        cfg.update(**{k: v for k, v in generate_kwargs.items() if hasattr(cfg, k)})
+        opts = call_options(model, generate_kwargs)
+        cfg = opts.config
+        if not opts.use_cache:
+            raise ValueError(f"use_cache=False with a {name}: the cache would be ignored or decoded from stale "
+                             "rows; drop use_cache=False (or the cache)")
         for key in ("num_beams", "num_return_sequences"):
             val = getattr(cfg, key, 1) or 1
             if val > 1:
                 raise ValueError(f"{key}={val} is not supported with {name} (batch size 1 only)")
-        mode = str(getattr(cfg.get_generation_mode(generate_kwargs.get("assistant_model")), "value", ""))
-        if mode not in ("greedy_search", "sample"):
-            raise ValueError(f"generation mode {mode!r} is not supported with {name}: greedy or sampling only "
+        if opts.mode not in STEPWISE_MODES:
+            raise ValueError(f"generation mode {opts.mode!r} is not supported with {name}: greedy or sampling only "
                              "(no assisted, prompt-lookup or speculative decoding)")
         if getattr(cfg, "prefill_chunk_size", None):
             raise ValueError(f"prefill_chunk_size is not supported with {name}")
@@ -175,6 +179,20 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         self.phase = "done"
 
     # -- the DynamicCache contract ----------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``DynamicCache.update``, refused while the cache was never prepared by an hf_kvreuse ``generate``.
+
+        A cache whose hooks never ran holds nothing yet: a forward (or a ``generate`` of a model class whose own
+        ``generate`` bypasses :mod:`hf_kvreuse.generation.mixin`) would silently run plain prefill with it.
+        (Multi-turn caches run their hooks on every forward of an enabled model, which their constructor enables.)"""
+        if self.phase == "new" and not self.multi_turn:
+            raise RuntimeError(
+                f"this {type(self).__name__} was used by a forward before any hf_kvreuse generate prepared it, so "
+                f"it would silently act as an empty cache (no reuse). Call model.generate(ids, cache=cache) on the "
+                f"model it was built for ({type(self.model).__name__}: hf_kvreuse.enable(model) routes it); a model "
+                f"class that overrides generate itself is not supported")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def crop(self, max_length: int) -> None:
         """As ``DynamicCache.crop`` (transformers' own semantics of ``max_length``); keeps ``token_ids`` in step."""
         if self.phase == "active":
@@ -236,7 +254,36 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
 
     # -- hooks called by hf_kvreuse.generation.KVReuseGenerationMixin ---------------------------------------
     def prepare(self, model, input_ids: torch.Tensor, generate_kwargs: dict) -> None:
-        """Called once right before ``generate`` starts; assemble the cache here."""
+        """Called once right before ``generate`` starts; assemble the cache here (subclasses call
+        :meth:`begin_generate` first, as this default does)."""
+        self.begin_generate(model, input_ids, generate_kwargs)
+
+    def set_logits_processor(self, processors, generation_config) -> None:
+        """Called by the mixin once per ``generate`` with the logits processors (warpers included) it applies to
+        every step's logits, and its generation config."""
+        self.logits_processor, self.generation_config = processors, generation_config
+
+    def set_stopping_criteria(self, criteria) -> None:
+        """Called by the mixin with the stopping criteria ``generate`` built for this call."""
+        self._stopping_criteria = criteria
+
+    def continuing_parts(self):
+        """``(logits processors, stopping criteria)`` a continuing ``generate`` of the same call must reuse
+        instead of building its own (a cache that drives several generates), or None."""
+        return None
+
+    def drive(self, model, generate_kwargs: dict):
+        """Run the call's ``generate`` after :meth:`prepare` (default: transformers' own, once)."""
+        return model._stock_generate(**generate_kwargs)
+
+    def process_logits(self, history: torch.Tensor, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """The scores ``generate`` chooses from: row ``i`` of ``logits`` ``[T, V]`` (raw, the token at position
+        ``start + i``) through this call's processors, given the tokens ``history[:, :start + i]`` before it."""
+        processors = getattr(self, "logits_processor", None)
+        if not processors:
+            return logits.float()
+        rows = [processors(history[:, :start + i], logits[i:i + 1].float()) for i in range(logits.shape[0])]
+        return torch.cat(rows, 0)
 
     def before_forward(self, input_ids: torch.Tensor, next_sequence_length: int | None) -> tuple[int | None, dict]:
         """Called before every forward of ``generate`` (prefill included).

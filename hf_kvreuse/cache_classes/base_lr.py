@@ -44,6 +44,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compat import cache_kwargs
+from ..devices import input_device
 from ..generation.mixin import enable
 from ..generation.selected import base_attn
 from ..lora import ACTIVE, LoraSplit, LRState, LRStore, Row, is_peft_model, mixed_adapter_hooks, register_attention
@@ -346,4 +347,4 @@ class BaseLRCache(KVReuseCache):
         self._turn.rebase_s = time.perf_counter() - t0
 
     def device_type(self) -> str:
-        return next(self.model.parameters()).device.type
+        return input_device(self.model).type

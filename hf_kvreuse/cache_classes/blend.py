@@ -54,39 +54,51 @@ class BlendCache(BlockReuseCache):
         super().__init__(model, input_ids, blocks, store, block_prefix_ids)
 
     def recompute(self, kv: KV, fresh: torch.Tensor) -> torch.Tensor:
-        covered = kv[0][0].shape[-2]
-        device = kv[0][0].device
-        ids = self.input_ids[:, :covered]
-        reused = torch.ones(covered, dtype=torch.bool, device=device)
-        reused[fresh] = False
-        c = self.check_layer
-        # keep the reused K/V of layers 1..c: rows that are not selected go back to them
-        saved = [(k.clone(), v.clone()) for k, v in kv[1: c + 1]]
-        old = kv[c][1 if self.deviation == "values" else 0].clone()
-        everything = torch.arange(covered, device=device)
-        hidden = self._layer_pass(ids, everything, kv, range(0, c + 1))
-        new = kv[c][1 if self.deviation == "values" else 0]
-        candidates = torch.nonzero(reused).flatten()
-        n_pick = int(candidates.numel() * self.recompute_ratio)
-        # top-n_pick of sum_{b,h,d} (new - old)^2 among the reused rows (layer c may sit on another device; the
-        # Triton backend reads new and old once, no difference temporary)
-        picked = kernels.deviation_topk(new, old, candidates, n_pick)
-        rows = torch.sort(torch.cat([fresh.to(device), picked])).values
-        keep_old = torch.ones(covered, dtype=torch.bool, device=device)
-        keep_old[rows] = False
-        for (k, v), (ok, ov) in zip(kv[1: c + 1], saved):
-            keep = keep_old.to(k.device)
-            k[..., keep, :] = ok[..., keep, :]
-            v[..., keep, :] = ov[..., keep, :]
-        del saved, old, new
-        if rows.numel() and c + 1 < len(kv):
-            selected = hidden[:, rows]
-            del hidden  # every row's hidden states: not needed past the check layer
-            self._layer_pass(ids, rows, kv, range(c + 1, len(kv)), selected)
-        self.selected_rows = picked.sort().values
+        rows, picked = blend_recompute(self.model, self.input_ids[:, : kv[0][0].shape[-2]], kv, fresh,
+                                       self.recompute_ratio, self.check_layer, self.deviation)
+        self.selected_rows = picked
         return rows
 
-    def _layer_pass(self, ids: torch.Tensor, rows: torch.Tensor, kv: KV, layers: range,
-                    hidden: torch.Tensor | None = None) -> torch.Tensor:
+
+def blend_recompute(model, ids: torch.Tensor, kv: KV, fresh: torch.Tensor, recompute_ratio: float,
+                    check_layer: int = 1, deviation: str = "values", start: int = 0) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """CacheBlend's repair of ``kv`` (every row ``>= start`` not in ``fresh`` holds reused K/V), in place.
+
+    Rows ``start..`` run through layers ``0..check_layer``; the ``recompute_ratio`` fraction of the reused rows whose
+    K or V deviates most there, plus ``fresh``, continue through the later layers; the other reused rows go back
+    to their reused K/V at layers ``1..check_layer``. Rows before ``start`` (an exact prefix) are left alone.
+    Returns ``(all recomputed rows, the selected reused rows)``, both sorted.
+    """
+    covered = kv[0][0].shape[-2]
+    device = kv[0][0].device
+    reused = torch.zeros(covered, dtype=torch.bool, device=device)
+    reused[start:] = True
+    reused[fresh] = False
+    c = check_layer
+    # keep the reused K/V of layers 1..c: rows that are not selected go back to them
+    saved = [(k.clone(), v.clone()) for k, v in kv[1: c + 1]]
+    old = kv[c][1 if deviation == "values" else 0].clone()
+    everything = torch.arange(start, covered, device=device)
+    hidden = partial_forward(model, ids, everything, kv, layers=range(0, c + 1))
+    new = kv[c][1 if deviation == "values" else 0]
+    candidates = torch.nonzero(reused).flatten()
+    n_pick = int(candidates.numel() * recompute_ratio)
+    # top-n_pick of sum_{b,h,d} (new - old)^2 among the reused rows (layer c may sit on another device; the
+    # Triton backend reads new and old once, no difference temporary)
+    picked = kernels.deviation_topk(new, old, candidates, n_pick)
+    rows = torch.sort(torch.cat([fresh.to(device), picked])).values
+    keep_old = torch.ones(covered, dtype=torch.bool, device=device)
+    keep_old[rows] = False
+    keep_old[:start] = False
+    for (k, v), (ok, ov) in zip(kv[1: c + 1], saved):
+        keep = keep_old.to(k.device)
+        k[..., keep, :] = ok[..., keep, :]
+        v[..., keep, :] = ov[..., keep, :]
+    del saved, old, new
+    if rows.numel() and c + 1 < len(kv):
         # partial_forward keeps the mask small under sdpa (none for all rows, boolean for a subset)
-        return partial_forward(self.model, ids, rows, kv, layers=layers, hidden_states=hidden)
+        selected = hidden[:, (rows - start).to(hidden.device)]
+        del hidden  # every row's hidden states: not needed past the check layer
+        partial_forward(model, ids, rows, kv, layers=range(c + 1, len(kv)), hidden_states=selected)
+    return rows, picked.sort().values

@@ -13,10 +13,23 @@ algorithm of METHODS.md §2.1, whose details are our reading of the abstract). A
    background (:class:`hf_kvreuse.generation.background.BackgroundPrefill`); when a donor is known to be an
    exact cache (``donor_exact``), the exact prefill starts after the common prefix with it.
 4. Rebase: at the first step boundary where the exact cache is ready (or when ``max_optimistic_tokens`` is
-   reached, waiting for it), the exact cache is swapped in and the tokens generated so far are replayed on it
-   in the same forward that produces the next token. From then on every token is the one full prefill would
-   give after the same earlier tokens. Optionally the replay's logits count how many optimistic tokens the
-   exact model would not have chosen greedily (``divergent_tokens``).
+   reached, waiting for it), the exact cache is swapped in and the tokens generated so far are replayed on it.
+   Two ways to treat the tokens emitted before (``rebase=``):
+
+   * ``"commit"`` (RebaseKV as published): they stay; the replay runs in the same forward that produces the next
+     token, and from then on every token is the one full prefill would give after the same earlier tokens. The
+     replay's logits count how many optimistic tokens exact greedy decoding would not have chosen
+     (``divergent_tokens``). Two options bring commit closer to full prefill: a confidence gate (``gate=``, stop
+     emitting optimistic tokens at the first uncertain step: that step's token already comes from the exact
+     cache) and a repair of the optimistic cache before the first token (``repair=``).
+   * ``"verify"``: they are drafts, verified by the replay's exact logits as speculative decoding verifies a
+     draft model's tokens (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+     Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"). Greedy: the
+     longest run of drafts that equal the exact argmax is kept, the first other token is replaced by the exact
+     choice and decoding continues from the exact cache cropped there: the output is plain ``generate``'s.
+     Sampling: draft ``t`` drawn from ``q`` is kept with probability ``min(1, p(t) / q(t))``; at the first
+     rejection a token is drawn from ``max(0, p - q)`` normalised; if every draft is kept, the next token is drawn
+     from ``p``: the output follows the exact distribution. Streamers receive verified tokens only.
 """
 
 from __future__ import annotations
@@ -25,13 +38,14 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from ..alignment import Alignment, align_multi
 from ..compat import cache_kwargs
 from ..devices import offloaded
 from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.partial import partial_forward
+from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
 from ..timing import now
@@ -58,6 +72,12 @@ class OptimisticStats:
     generated_tokens: int = 0
     exact: bool = False                     # the cache now holds exact K/V for every token
     kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
+    rebase: str = "commit"                  # "commit" or "verify"
+    accepted_tokens: int | None = None      # verify: drafts kept (they equal what full prefill gives)
+    rejected_tokens: int | None = None      # verify: drafts withdrawn (the first one replaced by the exact choice)
+    first_verified_token_s: float | None = None  # generate() entry -> the first token that will not be withdrawn
+    gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
+    repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +140,28 @@ class OptimisticCache(KVReuseCache):
         prefix with an exact donor is then exact K/V for this prompt as well: the background prefill starts
         after it instead of at 0 (prefix caching, without its risk). Default: no donor is trusted, the exact
         prefill covers the whole prompt.
+    rebase : {"commit", "verify"}, default="commit"
+        What happens to the tokens emitted before the swap (module docstring). "commit": they stay (RebaseKV as
+        published): the lowest time to the first streamed token, but answers may differ from full prefill's
+        (``stats.divergent_tokens``). "verify": they are drafts checked by the exact logits; greedy output equals
+        plain ``generate`` token for token, sampled output follows the exact distribution, and streamers receive
+        verified tokens only (``stats.first_verified_token_s``). :class:`~hf_kvreuse.ReuseSession` uses "verify"
+        by default.
+    gate : float, optional
+        ``rebase="commit"`` only: stop emitting optimistic tokens at the first step whose top-1 probability margin
+        (``p1 - p2`` of the call's processed distribution) is below ``gate``; that step's token then comes from the
+        exact cache (the foreground waits for it). None: no gate.
+    repair : {"blend", "epic"}, optional
+        Recompute a few reused rows of the optimistic cache before the first token: "blend" (CacheBlend's
+        deviation-based selection of ``repair_ratio`` of the reused rows after the exact prefix) or "epic" (the
+        first ``repair_tokens`` rows of every reused span, EPIC's LegoLink). None: no repair.
+    repair_ratio : float, default=0.15
+    repair_tokens : int, default=16
+    verify_donor : bool, default=True
+        Check that each donor was computed by ``model`` (:func:`hf_kvreuse.model_check.check_donor`): a cache this
+        model's ``generate`` returned with its present weights is recognised by its tag; any other is probed (its
+        layer-0 keys at a few positions against the model's own) and refused if another model made it. False: trust
+        the donors (e.g. another peft adapter of this model on purpose).
     """
 
     def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache | list, donor_ids, *,
@@ -127,7 +169,10 @@ class OptimisticCache(KVReuseCache):
                  background_start: Literal["auto", "immediate", "after_first_token"] = "auto",
                  background_chunk_tokens: int | None = None, background_threads: int | None = None,
                  on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False,
-                 donor_exact: bool | list = False):
+                 donor_exact: bool | list = False, verify_donor: bool = True,
+                 rebase: Literal["verify", "commit"] = "commit", gate: float | None = None,
+                 repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
+                 repair_tokens: int = 16):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -157,6 +202,22 @@ class OptimisticCache(KVReuseCache):
             raise ValueError(f"background_start={background_start!r}")
         if on_early_finish not in ("swap", "cancel"):
             raise ValueError(f"on_early_finish={on_early_finish!r}")
+        if rebase not in ("verify", "commit"):
+            raise ValueError(f"rebase={rebase!r}: choose 'verify' (exact output) or 'commit' (RebaseKV)")
+        if gate is not None and rebase != "commit":
+            raise ValueError("gate= applies to rebase='commit' (verify already withdraws every wrong draft)")
+        if gate is not None and not 0.0 <= gate <= 1.0:
+            raise ValueError("gate must be a probability margin in [0, 1]")
+        if repair not in (None, "blend", "epic"):
+            raise ValueError(f"repair={repair!r}: choose None, 'blend' or 'epic'")
+        if not 0.0 <= repair_ratio <= 1.0 or repair_tokens < 0:
+            raise ValueError("repair_ratio must be in [0, 1] and repair_tokens >= 0")
+        if repair == "blend":  # CacheBlend drives the decoder layers itself: the layer-range probe must pass
+            from ..model_check import require
+
+            require(model, layers=True, who=f"{type(self).__name__}(repair='blend')")
+        self.rebase, self.gate = rebase, gate
+        self.repair, self.repair_ratio, self.repair_tokens = repair, repair_ratio, repair_tokens
         self.max_optimistic_tokens = max_optimistic_tokens
         self.record_divergence = record_divergence
         self.min_span = min_span
@@ -165,11 +226,12 @@ class OptimisticCache(KVReuseCache):
         self.background_threads = background_threads
         self.on_early_finish = on_early_finish
         self.release_donor = release_donor
-        self.stats = OptimisticStats()
+        self.stats = OptimisticStats(rebase=rebase)
         self.alignment: Alignment | None = None
         self.job: BackgroundPrefill | None = None
         self._budget = None
         self._threads_lowered = False
+        self.verify_donor = verify_donor
         self._donor_lens = [self._check_donor(c, d) for c, d in zip(self.donor_caches, self.donor_ids_list)]
         self.stats.donors = len(caches)
 
@@ -189,6 +251,7 @@ class OptimisticCache(KVReuseCache):
         self._forwards = 0
         self._swapped = False
         self._replay = None
+        self._last_input_ids = None
         self._threads_lowered = False
         n = self.input_ids.shape[1]
         on_cuda = self.input_ids.device.type == "cuda"
@@ -246,6 +309,8 @@ class OptimisticCache(KVReuseCache):
         donor_len = kv_length(donor_kv)
         if donor_ids.shape[1] < donor_len:
             raise ValueError(f"donor_ids has {donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
+        if self.verify_donor:
+            check_donor(self.model, donor_cache, donor_ids, donor_len, who=type(self).__name__)
         return donor_len
 
     def _align(self) -> Alignment:
@@ -279,13 +344,32 @@ class OptimisticCache(KVReuseCache):
                     release_layer(cache, i)
         del donors
         unmatched = al.unmatched().to(device)
-        if unmatched.numel():
-            partial_forward(self.model, self.input_ids[:, :covered].to(device), unmatched, kv)
+        ids = self.input_ids[:, :covered].to(device)
+        # rows of an exact donor's common prefix are exact: never "repaired"
+        exact_prefix = al.prefix_len if al.prefix_len and self.donor_exact[al.prefix_donor] else 0
+        repaired = 0
+        if self.repair == "blend":
+            from .blend import blend_recompute
+
+            rows, picked = blend_recompute(self.model, ids, kv, unmatched, self.repair_ratio, start=exact_prefix)
+            repaired = int(picked.numel())
+        else:
+            rows = unmatched
+            if self.repair == "epic":
+                heads = [torch.arange(sp.target_start, sp.target_start + min(self.repair_tokens, sp.length))
+                         for sp in al.spans if sp.target_start >= exact_prefix]
+                if heads:
+                    extra = torch.cat(heads).to(device)
+                    rows = torch.unique(torch.cat([unmatched, extra]))
+                    repaired = int(rows.numel() - unmatched.numel())
+            if rows.numel():
+                partial_forward(self.model, ids, rows, kv)
         load_kv(self, kv)
         self.logical_offset = 0
-        self.stats.reused_tokens = al.matched
+        self.stats.reused_tokens = al.matched - repaired
         self.stats.prefix_tokens = al.prefix_len
         self.stats.new_tokens = int(unmatched.numel())
+        self.stats.repaired_tokens = repaired
 
     # -- per step ----------------------------------------------------------------------------------------------
     def before_forward(self, input_ids, next_sequence_length):
@@ -295,15 +379,23 @@ class OptimisticCache(KVReuseCache):
         self.job.raise_if_failed()
         if generated >= 1 and not self.job.started:
             self._start_background()
+        self._last_input_ids = input_ids
         limit = self.max_optimistic_tokens
+        if self.rebase == "verify":
+            # drafts are verified after the drafting generate ends (drive); only an exact cache that is ready
+            # before the first token is swapped in here (then there is nothing to verify)
+            if generated == 0 and (self.job.ready() or limit == 0):
+                return self._swap_in(input_ids), {"logits_to_keep": 1}
+            return next_sequence_length, {}
         if not (self.job.ready() or (limit is not None and generated >= limit)):
             return next_sequence_length, {}
         feed = self._swap_in(input_ids)
         keep = feed if (self.record_divergence and generated > 0) else 1
         return feed, {"logits_to_keep": keep}
 
-    def _swap_in(self, input_ids: torch.Tensor) -> int:
-        """Load the exact prefix K/V; return how many trailing tokens must be fed to replay the rest."""
+    def _take_exact(self) -> None:
+        """Wait for the background job and load its exact prefix K/V into this cache (prompt minus its last
+        token); the caller then feeds the rest."""
         t = now(self.input_ids.device)
         if not self.job.started:
             self._start_background()
@@ -313,13 +405,17 @@ class OptimisticCache(KVReuseCache):
         self._restore_threads()
         load_kv(self, kv)
         self.logical_offset = 0
+        self._swapped = True
+        self.stats.exact = True
+
+    def _swap_in(self, input_ids: torch.Tensor) -> int:
+        """Load the exact prefix K/V; return how many trailing tokens must be fed to replay the rest."""
+        self._take_exact()
         n = self.input_ids.shape[1]
         generated = input_ids.shape[1] - n
-        self._swapped = True
         self.stats.swap_step = generated
         self.stats.optimistic_tokens = generated
-        self.stats.exact = True
-        self._replay = input_ids[0, n:] if self.record_divergence and generated > 0 else None
+        self._replay = input_ids if self.record_divergence and generated > 0 else None
         return input_ids.shape[1] - (n - 1)
 
     def after_forward(self, outputs) -> None:
@@ -329,11 +425,159 @@ class OptimisticCache(KVReuseCache):
         if self._replay is not None:
             self._count_divergence(outputs.logits[0, :-1], self._replay)
             self._replay = None
+        if self.gate is not None and not self._swapped and self._last_input_ids is not None:
+            self._gate(outputs)
 
-    def _count_divergence(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        diff = (logits.argmax(-1) != tokens.to(logits.device)).nonzero()
+    def _gate(self, outputs) -> None:
+        """commit + gate: if this optimistic step is uncertain, swap now and let generate choose this step's
+        token from the exact logits instead (its own selection reads ``outputs.logits`` after this hook)."""
+        ids = self._last_input_ids
+        scores = self.process_logits(ids, outputs.logits[0, -1:], ids.shape[1])
+        top = scores.softmax(-1).topk(2, dim=-1).values[0]
+        if float(top[0] - top[1]) >= self.gate:
+            return
+        n = self.input_ids.shape[1]
+        generated = ids.shape[1] - n
+        self._take_exact()
+        self.stats.swap_step = self.stats.optimistic_tokens = self.stats.gated_step = generated
+        # replay every fed token on the exact cache; its last row is this step's exact logits
+        pos = torch.arange(n - 1, ids.shape[1], device=ids.device)[None]
+        keep = 0 if (self.record_divergence and generated > 0) else 1
+        out = self.model(input_ids=ids[:, n - 1:], position_ids=pos, use_cache=True, logits_to_keep=keep,
+                         **cache_kwargs(self))
+        if keep == 0:
+            self._count_divergence(out.logits[0, :-1], ids)
+        outputs["logits"] = out.logits[:, -1:].to(outputs.logits.dtype)
+
+    def _count_divergence(self, logits: torch.Tensor, sequence: torch.Tensor) -> None:
+        """``logits`` ``[g, V]``: the exact model's raw logits of the ``g`` generated tokens of ``sequence``
+        ``[1, n + g]``; a token diverges where the call's processed scores (repetition penalty, bad words, ...)
+        would make exact greedy decoding choose another."""
+        n = self.input_ids.shape[1]
+        tokens = sequence[0, n:n + logits.shape[0]].to(logits.device)
+        scores = self.process_logits(sequence.to(logits.device), logits, n)
+        diff = (scores.argmax(-1) != tokens).nonzero()
         self.stats.divergent_tokens = int(diff.numel())
         self.stats.first_divergence = int(diff[0, 0]) if diff.numel() else None
+
+    # -- rebase="verify": drafts, verification, continuation ------------------------------------------------
+    def drive(self, model, kwargs: dict):
+        """Run ``generate`` (called by the mixin after :meth:`prepare`). With ``rebase="verify"``: a drafting
+        ``generate`` on the optimistic cache that stops when the exact cache is ready (or at
+        ``max_optimistic_tokens``), the verification of its drafts on the exact logits, then a continuing
+        ``generate`` on the exact cache from the first withdrawn draft (module docstring)."""
+        if self.rebase != "verify" or self.max_optimistic_tokens == 0:
+            return model._stock_generate(**kwargs)
+        for key in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(key) or getattr(kwargs.get("generation_config") or model.generation_config, key, False):
+                raise ValueError(f"{key}=True is not supported with rebase='verify' (drafts are withdrawn); "
+                                 "use rebase='commit'")
+        cfg = kwargs.get("generation_config") or model.generation_config
+        want = {k: kwargs.get(k, getattr(cfg, k, False)) for k in ("return_dict_in_generate", "output_scores",
+                                                                  "output_logits")}
+        user_streamer = kwargs.get("streamer")
+        draft_stop = _DraftStop(self)
+        first = dict(kwargs, return_dict_in_generate=True, output_scores=True, output_logits=True,
+                     streamer=_VerifiedOnly(user_streamer, self) if user_streamer is not None else None,
+                     stopping_criteria=StoppingCriteriaList(list(kwargs.get("stopping_criteria") or []) +
+                                                            [draft_stop]))
+        out = model._stock_generate(**first)
+        criteria = StoppingCriteriaList([c for c in self._stopping_criteria if c is not draft_stop])
+        if self._swapped:  # the exact cache was ready before the first token: plain generate ran
+            self.stats.first_verified_token_s = self.stats.ttft_s
+            self.stats.accepted_tokens = self.stats.rejected_tokens = 0
+            if user_streamer is not None:
+                user_streamer.end()
+            return self._as_requested(out, want)
+        seq, exact_scores, exact_logits, done = self._verify(out, criteria)
+        if user_streamer is not None:
+            for tok in seq[0, self.input_ids.shape[1]:]:
+                user_streamer.put(tok.reshape(1).cpu())
+        if not done:  # continue from the exact cache (it holds every row but the last token's)
+            self._continuing_parts = (self.logits_processor, criteria)
+            rest = dict(kwargs, inputs=seq, input_ids=None, attention_mask=torch.ones_like(seq),
+                        max_new_tokens=int(criteria.max_length - seq.shape[1]) if criteria.max_length else None,
+                        min_new_tokens=None, return_dict_in_generate=True, output_scores=True, output_logits=True,
+                        streamer=_AfterPrompt(user_streamer) if user_streamer is not None else None)
+            rest.pop("input_ids")
+            if rest["max_new_tokens"] is None:
+                rest.pop("max_new_tokens")
+            rest.pop("min_new_tokens")
+            try:
+                out2 = model._stock_generate(**rest)
+            finally:
+                self._continuing_parts = None
+            seq = out2.sequences
+            exact_scores += list(out2.scores)
+            exact_logits += list(out2.logits)
+        elif user_streamer is not None:
+            user_streamer.end()
+        out["sequences"] = seq
+        out["scores"] = tuple(exact_scores)
+        out["logits"] = tuple(exact_logits)
+        return self._as_requested(out, want)
+
+    @torch.no_grad()
+    def _verify(self, out, criteria: StoppingCriteriaList):
+        """Swap in the exact cache, replay the drafts, keep the verified ones and choose the next token.
+
+        Returns ``(sequence, scores, logits, done)``: the verified sequence (drafts kept plus the exact model's next
+        token, unless the kept drafts already end the generation), the processed scores and raw logits of its
+        generated tokens as plain ``generate`` records them, and whether a stopping rule ends the generation."""
+        n = self.input_ids.shape[1]
+        seq = out.sequences
+        g = seq.shape[1] - n
+        self._take_exact()
+        self.stats.swap_step = self.stats.optimistic_tokens = g
+        pos = torch.arange(n - 1, n + g, device=seq.device)[None]
+        logits = self.model(input_ids=seq[:, n - 1:], position_ids=pos, use_cache=True, logits_to_keep=0,
+                            **cache_kwargs(self)).logits[0].float()      # [g + 1, V]: row i scores token n + i
+        scores = self.process_logits(seq, logits, n)
+        drafts = seq[0, n:].to(scores.device)
+        self._count_divergence(logits[:g], seq)
+        if getattr(self.generation_config, "do_sample", False):
+            j, nxt = speculative_accept(scores, torch.stack(out.scores).float()[:, 0].to(scores.device), drafts)
+        else:
+            choice = scores.argmax(-1)
+            j = int((choice[:g] == drafts).long().cumprod(0).sum())
+            nxt = choice[j]
+        self.stats.accepted_tokens, self.stats.rejected_tokens = j, g - j
+        drop = self.physical_length() - (n + j)
+        if drop:  # keep the exact rows of the prompt and the kept drafts (negative: tokens to remove, any release)
+            DynamicCache.crop(self, -drop)
+        kept = seq[:, : n + j]
+        rows = list(scores[: j].unsqueeze(1)), list(logits[: j].unsqueeze(1))
+        if j == g and bool(criteria(seq, scores[g - 1: g]).all()):
+            # the drafts end the generation (EOS, length, stop string); as after plain generate, the cache holds
+            # every token but the last (never fed)
+            DynamicCache.crop(self, -1)
+            self.stats.first_verified_token_s = now(self.input_ids.device) - self._t0
+            return seq, rows[0], rows[1], True
+        seq = torch.cat([kept, nxt.reshape(1, 1).to(seq.device)], 1)
+        rows[0].append(scores[j: j + 1])
+        rows[1].append(logits[j: j + 1])
+        self.stats.first_verified_token_s = now(self.input_ids.device) - self._t0
+        return seq, rows[0], rows[1], bool(criteria(seq, scores[j: j + 1]).all())
+
+    @staticmethod
+    def _as_requested(out, want: dict):
+        if not want["return_dict_in_generate"]:
+            return out.sequences
+        if not want["output_scores"]:
+            out["scores"] = None
+        if not want["output_logits"]:
+            out["logits"] = None
+        return out
+
+    def set_stopping_criteria(self, criteria) -> None:
+        """Called by the mixin with the stopping criteria generate built (the drafting call's, kept for the
+        verification and the continuation: max length counted from the original prompt)."""
+        if getattr(self, "_continuing_parts", None) is None:
+            self._stopping_criteria = criteria
+
+    def continuing_parts(self):
+        """(logits processors, stopping criteria) the continuing generate must reuse, or None."""
+        return getattr(self, "_continuing_parts", None)
 
     # -- generate exit -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -360,7 +604,7 @@ class OptimisticCache(KVReuseCache):
             # every generated token was optimistic, the last one (never fed) included
             self.stats.swap_step = self.stats.optimistic_tokens = self.stats.generated_tokens
             if self.record_divergence:
-                self._count_divergence(out.logits[0], sequences[0, n:])
+                self._count_divergence(out.logits[0], sequences)
             self._replay = None
         finally:
             if self.release_donor:
@@ -378,3 +622,76 @@ class OptimisticCache(KVReuseCache):
             if self._budget is not None:
                 self._budget = None
                 ThreadBudget.release()
+
+
+def speculative_accept(p_scores: torch.Tensor, q_scores: torch.Tensor, drafts: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+    """The speculative-sampling rule (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
+
+    ``p_scores`` ``[g + 1, V]``: the target's processed scores of the ``g`` draft positions and the one after;
+    ``q_scores`` ``[g, V]``: the scores each draft was sampled from; ``drafts`` ``[g]``. Draft ``i`` is kept with
+    probability ``min(1, p_i(t_i) / q_i(t_i))``; at the first rejection the next token is drawn from
+    ``max(0, p_i - q_i)`` normalised, and if every draft is kept, from ``p_g``. Returns ``(kept, next token)``;
+    the tokens so produced follow ``p`` exactly.
+    """
+    p = p_scores.float().softmax(-1)
+    q = q_scores.float().softmax(-1)
+    g = drafts.numel()
+    for i in range(g):
+        t = int(drafts[i])
+        u = torch.rand((), generator=generator, device=p.device)
+        if float(u) < min(1.0, float(p[i, t] / q[i, t].clamp_min(1e-30))):
+            continue
+        resid = (p[i] - q[i]).clamp_min(0)
+        total = float(resid.sum())
+        nxt = torch.multinomial(resid / total if total > 0 else p[i], 1, generator=generator)[0]
+        return i, nxt
+    return g, torch.multinomial(p[g], 1, generator=generator)[0]
+
+
+class _DraftStop(StoppingCriteria):
+    """Ends the drafting generate once the exact cache is ready (or at ``max_optimistic_tokens``)."""
+
+    def __init__(self, cache: "OptimisticCache"):
+        self.cache = cache
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        c = self.cache
+        stop = False
+        if not c._swapped:
+            limit = c.max_optimistic_tokens
+            stop = c.job.ready() or (limit is not None and input_ids.shape[1] - c.input_ids.shape[1] >= limit)
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class _VerifiedOnly:
+    """The caller's streamer during drafting: the prompt, and tokens only once they are exact (a swap before the
+    first token); drafts are held back and streamed after their verification."""
+
+    def __init__(self, streamer, cache: "OptimisticCache"):
+        self.streamer, self.cache, self.prompt_sent = streamer, cache, False
+
+    def put(self, value):
+        if not self.prompt_sent or self.cache._swapped:
+            self.prompt_sent = True
+            self.streamer.put(value)
+
+    def end(self):
+        pass  # the caller's streamer ends with the whole generation
+
+
+class _AfterPrompt:
+    """The caller's streamer during the continuation: its first put (the verified sequence, as a prompt) was
+    streamed already."""
+
+    def __init__(self, streamer):
+        self.streamer, self.first = streamer, True
+
+    def put(self, value):
+        if self.first:
+            self.first = False
+            return
+        self.streamer.put(value)
+
+    def end(self):
+        self.streamer.end()

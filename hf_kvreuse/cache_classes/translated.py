@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..devices import input_device
 from ..generation.partial import partial_forward
 from ..kv import kv_of, load_kv
+from ..model_check import check_donor
 from ..rope import RopeShifter
 from ..timing import now
 from ..translation.mapper import KVMapper, run_source
@@ -133,6 +135,8 @@ class TranslatedCache(KVReuseCache):
             if len(src_kv) != g.source_layers or have < self.input_ids.shape[1] - 1:
                 raise ValueError(f"source_cache holds {len(src_kv)} layers x {have} tokens; the source model has "
                                  f"{g.source_layers} layers and the prompt needs {self.input_ids.shape[1] - 1}")
+            check_donor(source_model, source_cache, self.input_ids, self.input_ids.shape[1] - 1,
+                        who=type(self).__name__, what="source_cache (of the source model)")
         need = mapper.hidden_layers
         if source_cache is not None and need:
             missing = [s for s in need if source_hidden is None or s not in source_hidden]
@@ -194,7 +198,7 @@ class TranslatedCache(KVReuseCache):
         ids = self.input_ids[:, :n]
         t0 = now(device)
         # 1. source prefill (unless the source's own cache of the prompt was given)
-        src_dev = next(self.source_model.parameters()).device
+        src_dev = input_device(self.source_model)
         hidden = None
         if self.source_cache is not None:
             src_kv = [(k[..., :n, :], v[..., :n, :]) for k, v in kv_of(self.source_cache)]

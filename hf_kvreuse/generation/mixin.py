@@ -14,6 +14,15 @@ imports the cache classes):
 * after every forward (``_update_model_kwargs_for_generation``): the cache sees the outputs (timing, divergence);
 * ``generate`` exit, normal or not: the cache finishes (joins its background work, raises its errors).
 
+**The one-expression form.** ``model.generate(ids, cache=OptimisticCache(model, ...))`` looks ``model.generate`` up
+*before* the cache's constructor enables the model, so the stock ``generate`` would run and ignore the cache.
+:func:`install_routing` (called on ``import hf_kvreuse``) therefore wraps ``transformers.GenerationMixin.generate``:
+a call that carries an hf_kvreuse cache on a model that is not enabled enables it (as the cache's constructor
+would) and runs the mixin's ``generate``; every other call goes straight to transformers' own. As a second line
+of defence, a cache whose hooks never ran refuses its first ``update``
+(:meth:`hf_kvreuse.KVReuseCache.update`), so a model class that overrides ``generate`` itself fails loudly
+instead of silently running plain prefill.
+
 After its first ``generate`` a cache is an ordinary ``DynamicCache`` holding exact-from-here K/V of the prompt and
 the answer: passing it to the next ``generate`` (the next turn of a chat) runs transformers' own path, after the
 cache is cropped to the longest common prefix of the tokens it holds and the new ids.
@@ -22,15 +31,23 @@ Arguments are bound to ``generate``'s signature first, so a positional ``generat
 
 from __future__ import annotations
 
+import contextvars
 import copyreg
+import functools
 import inspect
 
 from transformers import GenerationMixin
 
-from ..compat import CACHE_KW, CACHE_NAMES, find_cache, prepare_inputs
+from ..compat import CACHE_KW, CACHE_NAMES, find_cache, output_cache, prepare_inputs
+from ..fingerprint import tag_producer
 from .protocol import ReuseCacheHooks
 
 _ENABLED: dict[type, type] = {}
+#: set while the mixin runs transformers' own generate (its ``super().generate``): the routing wrapper of
+#: :func:`install_routing` then steps aside
+_IN_MIXIN: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_in_mixin", default=False)
+#: the hf_kvreuse cache whose first generate runs in this context (its hooks see generate's own parts)
+_RUNNING: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_running_cache", default=None)
 
 
 def _find_cache(kwargs: dict) -> ReuseCacheHooks | None:
@@ -56,6 +73,15 @@ def _bind_generate(model, inputs, args: tuple, kwargs: dict) -> dict:
         elif name != "self":
             out[name] = value
     return out
+
+
+def _bind_method(fn, self, args: tuple, kwargs: dict) -> dict:
+    """``fn(self, *args, **kwargs)``'s arguments by name (transformers releases pass them positionally or not)."""
+    try:
+        bound = inspect.signature(fn).bind(self, *args, **kwargs)
+    except TypeError:
+        return dict(kwargs)
+    return dict(bound.arguments)
 
 
 def _one_cache_keyword(kwargs: dict) -> None:
@@ -85,13 +111,13 @@ def _forward_positionals(model) -> list[str]:
 class KVReuseGenerationMixin(GenerationMixin):
     def generate(self, inputs=None, *args, **kwargs):
         if not args and _find_cache(kwargs) is None:
-            return super().generate(inputs, **kwargs)
+            return self._plain_generate(inputs=inputs, **kwargs)
         kwargs = _bind_generate(self, inputs, args, kwargs)
         # either keyword works on every supported release (and spares users a deprecation warning)
         _one_cache_keyword(kwargs)
         cache = _find_cache(kwargs)
         if cache is None:
-            return super().generate(**kwargs)
+            return self._plain_generate(**kwargs)
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             input_ids = kwargs.get("inputs")
@@ -100,7 +126,11 @@ class KVReuseGenerationMixin(GenerationMixin):
         error, out = None, None
         try:
             cache.prepare(self, input_ids, kwargs)
-            out = super().generate(**kwargs)
+            token = _RUNNING.set(cache)
+            try:
+                out = cache.drive(self, kwargs)
+            finally:
+                _RUNNING.reset(token)
             return out
         except BaseException as e:
             error = e
@@ -113,6 +143,8 @@ class KVReuseGenerationMixin(GenerationMixin):
             except BaseException as e:  # noqa: BLE001
                 finish_error = e
             cache.end_generate(sequences, error or finish_error)
+            if error is None and finish_error is None:
+                tag_producer(cache, self)
             if finish_error is not None and error is None:
                 raise finish_error
 
@@ -121,11 +153,27 @@ class KVReuseGenerationMixin(GenerationMixin):
         cache.begin_continuation(self, input_ids, kwargs)
         out = None
         try:
-            out = super().generate(**kwargs)
+            out = self._stock_generate(**kwargs)
+            tag_producer(cache, self)
             return out
         finally:
             cache.end_continuation(getattr(out, "sequences", out) if out is not None else None,
                                    None if out is not None else RuntimeError("generate failed"))
+
+    def _plain_generate(self, **kwargs):
+        """A generate without an hf_kvreuse cache: transformers' own, the returned (or given) cache tagged with its
+        producer, so it is recognised as this model's own when it later serves as a donor."""
+        out = self._stock_generate(**kwargs)
+        tag_producer(find_cache(kwargs) or output_cache(out), self)
+        return out
+
+    def _stock_generate(self, **kwargs):
+        """transformers' own ``generate`` (past the routing wrapper of :func:`install_routing`)."""
+        token = _IN_MIXIN.set(True)
+        try:
+            return super().generate(**kwargs)
+        finally:
+            _IN_MIXIN.reset(token)
 
     def __call__(self, *args, **kwargs):
         # __call__, not forward: generate validates model kwargs against forward's signature
@@ -141,6 +189,31 @@ class KVReuseGenerationMixin(GenerationMixin):
         if cache is None or (cache.phase != "active" and not cache.multi_turn):
             return super().__call__(**kwargs)
         return cache.forward(super().__call__, **kwargs)
+
+    def _get_logits_processor(self, *args, **kwargs):
+        # the processors (and warpers) generate applies to every step's logits: a cache that compares its own
+        # logits with generate's choices (divergence counts, draft verification) must apply the same ones; a
+        # continuing generate of the same call reuses the first one's (built for the original prompt length)
+        bound = _bind_method(GenerationMixin._get_logits_processor, self, args, kwargs)
+        cache = find_cache(bound.get("model_kwargs") or {})
+        active = isinstance(cache, ReuseCacheHooks) and cache.phase == "active"
+        if active and cache.continuing_parts() is not None:
+            return cache.continuing_parts()[0]
+        processors = super()._get_logits_processor(*args, **kwargs)
+        if active:
+            cache.set_logits_processor(processors, bound.get("generation_config"))
+        return processors
+
+    def _get_stopping_criteria(self, *args, **kwargs):
+        # the cache of this thread's running generate (a cache that drives several generates of one call sees
+        # the stopping rules built for the original prompt, and the continuing one reuses them)
+        cache = _RUNNING.get()
+        if cache is not None and cache.continuing_parts() is not None:
+            return cache.continuing_parts()[1]
+        criteria = super()._get_stopping_criteria(*args, **kwargs)
+        if cache is not None:
+            cache.set_stopping_criteria(criteria)
+        return criteria
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         extra = {}
@@ -219,3 +292,36 @@ def disable(model):
 
 def is_enabled(model) -> bool:
     return isinstance(_generation_target(model), KVReuseGenerationMixin)
+
+
+_STOCK_GENERATE = None
+
+
+def install_routing() -> None:
+    """Wrap ``transformers.GenerationMixin.generate`` (once; idempotent) so that a ``generate`` call carrying an
+    hf_kvreuse cache on a model that was never :func:`enable`-d runs through the mixin (module docstring)."""
+    global _STOCK_GENERATE
+    current = GenerationMixin.generate
+    if getattr(current, "_hf_kvreuse_routing", False):
+        return
+    _STOCK_GENERATE = stock = current
+
+    @functools.wraps(stock)
+    def generate(self, *args, **kwargs):
+        # an hf_kvreuse cache reached transformers' generate without the mixin: ``model.generate`` was looked up
+        # before the cache's constructor enabled the model (or the model never was)
+        if not _IN_MIXIN.get() and _find_cache(kwargs) is not None:
+            enable(self)  # in place (idempotent): the class is now the enabled subclass
+            return KVReuseGenerationMixin.generate(self, *args, **kwargs)
+        return stock(self, *args, **kwargs)
+
+    generate._hf_kvreuse_routing = True
+    GenerationMixin.generate = generate
+
+
+def uninstall_routing() -> None:
+    """Undo :func:`install_routing` (tests use it to check the second line of defence)."""
+    global _STOCK_GENERATE
+    if _STOCK_GENERATE is not None:
+        GenerationMixin.generate = _STOCK_GENERATE
+        _STOCK_GENERATE = None

@@ -18,7 +18,9 @@ raises if a layer of the range did not store its rows exactly once.
 Attention of the selected rows (:mod:`hf_kvreuse.generation.selected`): under the ``triton`` backend a kernel
 that builds the position mask per tile and skips the columns no row of a tile can see; on torch for ``sdpa``
 models SDPA per block of rows over only the columns the block can see (measured faster than one call with the
-full mask: ``scripts/selected_attention_cpu.py``); otherwise the explicit mask below.
+full mask: ``scripts/selected_attention_cpu.py``); otherwise the explicit mask below. On the first two paths the
+``[R, N]`` mask is never built unless a layer falls back to the model's own attention (then once per forward): at
+32k tokens with 16k recomputed rows it is ~2 GB of transient memory.
 """
 
 from __future__ import annotations
@@ -73,13 +75,23 @@ class _ScatterCache(DynamicCache):
 
 def position_causal_mask(row_pos: torch.Tensor, col_pos: torch.Tensor, dtype: torch.dtype,
                          col_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Additive mask ``[1, 1, |rows|, |cols|]``: 0 where ``col_pos <= row_pos`` (and the column is valid)."""
+    """Mask ``[1, 1, |rows|, |cols|]`` of the columns each row may see (``col_pos <= row_pos``, and the column
+    valid): additive (0 / the dtype's min) for a float ``dtype``, ``True`` = visible for ``torch.bool``."""
     allowed = col_pos[None, :] <= row_pos[:, None]
     if col_valid is not None:
         allowed = allowed & col_valid[None, :]
+    if dtype == torch.bool:
+        return allowed[None, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=row_pos.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask.masked_fill_(allowed.logical_not_(), torch.finfo(dtype).min)  # in place: no third R x N temporary
     return mask[None, None]
+
+
+def _placeholder(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What the model gets as its mask when the selected-row attention replaces it: a ``[1, 1, rows, cols]`` view of
+    one NaN (no memory). The wrapper hands the layers it does not handle the real mask instead (built then); any
+    other reader gets NaN, which the model check's engine probe refuses, never a silently unmasked attention."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(1, 1, rows, cols)
 
 
 def _decoder(model):
@@ -147,26 +159,28 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
         positions = torch.arange(n, device=device)
     row_pos = positions[rows]
     cache = _ScatterCache(model.config, kv, rows)
-    mask = position_causal_mask(row_pos, positions, kv[0][0].dtype, col_valid)
-    # the selected-row attention (Triton kernel, or SDPA over the visible columns per block of rows) replaces
-    # the mask where it applies; the mask is still passed: layers the wrapper does not handle use it
-    path = selected_path(model, kv[0][0])
-    attend = (selected_rows(model, SelectedPositions(row_pos, positions, col_valid)) if path != "mask"
-              else contextlib.nullcontext())
+    dtype = kv[0][0].dtype
+    if layers is not None and base_attn(model.config) == "sdpa" and col_valid is None:
+        # the |rows| x N float mask is N^2 floats for all rows (280 MB at 8k tokens): under sdpa every row in
+        # order needs no mask (the causal kernel, as full prefill) and a subset takes a boolean one (4x
+        # smaller). The model check probes both forms on each model (model_check._probe_layers).
+        in_order = rows.numel() == n and bool((row_pos == torch.arange(n, device=device)).all())
+        dtype = None if in_order else torch.bool
+    # the selected-row attention (Triton kernel, or SDPA over the visible columns per block of rows) needs no
+    # R x N mask: it is built only on the mask path, or on first use by a layer the wrapper does not handle
+    path = selected_path(model, kv[0][0]) if dtype is not None else "mask"
+    build = (lambda: position_causal_mask(row_pos, positions, dtype, col_valid)) if dtype is not None else None
+    if path == "mask":
+        mask, attend = (build() if build else None), contextlib.nullcontext()
+    else:
+        mask = _placeholder(rows.numel(), n, kv[0][0].dtype, device)
+        attend = selected_rows(model, SelectedPositions(row_pos, positions, col_valid, mask=build))
     if layers is not None:
         base = _decoder(model)
         if hidden_states is None:
             if layers.start != 0:
                 raise ValueError("a layer range that does not start at layer 0 needs the rows' hidden_states")
             hidden_states = base.embed_tokens(input_ids[:, rows.to(input_ids.device)])
-        if base_attn(model.config) == "sdpa" and col_valid is None:
-            # the |rows| x N float mask is N^2 floats for all rows (280 MB at 8k tokens): under sdpa every row in
-            # order needs no mask (the causal kernel, as full prefill) and a subset takes a boolean one (4x
-            # smaller). The model check probes both forms on each model (model_check._probe_layers).
-            in_order = rows.numel() == n and bool((row_pos == torch.arange(n, device=device)).all())
-            mask = None if in_order else (positions[None, :] <= row_pos[:, None])[None, None]
-            if in_order:
-                attend = contextlib.nullcontext()  # plain causal SDPA is the fast path here
         with attend:
             h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
         cache.check_writes(model, layers)

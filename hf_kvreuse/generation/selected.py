@@ -7,8 +7,10 @@ the model's own (``sdpa`` or ``eager``) is registered with transformers' ``Atten
 partial forward and publishes the rows' positions in the context variable :data:`SELECTED`. While that variable is
 set the wrapper computes the attention with :func:`hf_kvreuse.kernels.selected_attention` (the Triton kernel, or
 on torch SDPA block by block over the columns each block can see); otherwise, and for any layer it does not
-handle (softcapping, sliding windows, sinks, dropout, another shape), it calls the wrapped function with the mask
-the engine still passes, so another thread's forward on the same model during the swap runs unchanged.
+handle (softcapping, sliding windows, sinks, dropout, another shape), it calls the wrapped function with the
+explicit position mask, built on that first use (the engine passes the model only a placeholder, so a forward
+whose layers all take the selected-row path never builds the ``[R, N]`` mask); another thread's forward on the
+same model during the swap (no rows published in its context) runs unchanged with its own mask.
 
 Which path runs (:func:`selected_path`): the Triton kernel under the ``triton`` backend (sdpa and eager
 models), the blocked SDPA formulation on torch for ``sdpa`` models on CPU, and the explicit mask (no wrapper)
@@ -74,6 +76,8 @@ def selected_attention_fn(base_fn: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         sel = SELECTED.get()
         if sel is None or not _handles(module, query, key, value, sel, kwargs):
+            if sel is not None and sel.has_mask:  # the engine passed a placeholder: the real mask, built now
+                attention_mask = sel.fallback_mask(query.device)
             return base_fn(module, query, key, value, attention_mask, **kwargs)
         B, Hq, R, D = query.shape
         scaling = kwargs.get("scaling")

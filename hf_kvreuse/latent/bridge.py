@@ -78,29 +78,23 @@ class LatentBridge(nn.Module):
 
     # -- persistence: safetensors + JSON ----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
-        """``path/bridge.safetensors`` + ``path/bridge.json`` (the model's identity inside)."""
-        from safetensors.torch import save_file
+        """``path/bridge.safetensors`` + ``path/bridge.json`` (the model's identity and the tensor file's sha256
+        inside)."""
+        from ..artifacts import write_artifact
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()},
-                  str(path / "bridge.safetensors"))
         meta = {"format": FORMAT, "version": VERSION, "n_latent": self.n_latent, "hidden": self.hidden,
                 "hidden_layer": self.hidden_layer, "d": self.d, "identity": self.identity, "info": self.info}
-        (path / "bridge.json").write_text(json.dumps(meta, indent=2, default=str))
-        return path
+        return write_artifact(path, "bridge", {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model) -> "LatentBridge":
-        """Load a checkpoint for ``model``; refuse (:class:`LatentBridgeMismatchError`) one made for another."""
-        from safetensors.torch import load_file
-
+        """Load a checkpoint for ``model``; refuse (:class:`LatentBridgeMismatchError`) one made for another, and
+        (:class:`hf_kvreuse.artifacts.CorruptArtifactError`) a file that changed since it was saved."""
+        from ..artifacts import read_artifact, read_meta
         from ..translation.mapper import _describe, model_identity
 
         path = Path(path)
-        if not (path / "bridge.json").exists():
-            raise FileNotFoundError(f"no LatentBridge at {path} (expected bridge.json and bridge.safetensors)")
-        meta = json.loads((path / "bridge.json").read_text())
+        meta = read_meta(path, "bridge", "LatentBridge")
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{path}: not a LatentBridge checkpoint of version {VERSION}")
         got = model_identity(model)
@@ -111,7 +105,7 @@ class LatentBridge(nn.Module):
                 f"{_describe(got)} (its {what} differ). Train one for this model with python -m "
                 "hf_kvreuse.latent.train")
         bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"])
-        state = load_file(str(path / "bridge.safetensors"))
+        state, meta = read_artifact(path, "bridge", "LatentBridge")
         bridge.load_state_dict({k: v.float() for k, v in state.items()})
         bridge.info = meta.get("info", {})
         return bridge

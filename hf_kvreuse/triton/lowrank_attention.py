@@ -40,6 +40,8 @@ import math
 
 import torch
 
+from . import sizing
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 
@@ -107,7 +109,7 @@ def _kernels():
             sl_b, sl_t, sl_r, sb_b, sb_o, sb_r, ss_b, sm_b, sm_q, sm_t,
             so_b, so_q, so_h, so_d,
             MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-            UPCAST: tl.constexpr,
+            UPCAST: tl.constexpr, COLUMNS: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
         # one program: BLOCK_M packed query rows (row = g·Q + query index) of one (batch, KV head), over the keys
         # [lo, hi) of its split
@@ -193,10 +195,18 @@ def _kernels():
             tl.store(wl_ptr + w_row[:, None] * BLOCK_R + j[None, :], pl)
             tl.store(lse_ptr + w_row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_use)))
         else:
-            bt = tl.load(bw_ptr + b * sb_b + (kvh * D + d)[None, :] * sb_o + j[:, None] * sb_r,
-                         mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [R, D]: B_head^T
+            if COLUMNS:  # (P·L) · B_head^T one rank column at a time (float32 FMAs): see the launcher
+                lb = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                b_row = bw_ptr + b * sb_b + (kvh * D + d) * sb_o
+                for jj in range(0, R):
+                    pl_j = tl.sum(tl.where(j[None, :] == jj, pl, 0.0), 1)
+                    lb += pl_j[:, None] * tl.load(b_row + jj * sb_r, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                bt = tl.load(bw_ptr + b * sb_b + (kvh * D + d)[None, :] * sb_o + j[:, None] * sb_r,
+                             mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [R, D]: B_head^T
+                lb = tl.dot(pl, bt, input_precision="ieee")
             sv = tl.load(s_ptr + b * ss_b).to(tl.float32)
-            out = ov + sv * tl.dot(pl, bt, input_precision="ieee")
+            out = ov + sv * lb
             tl.store(o_ptr + b * so_b + qi[:, None] * so_q + h[:, None] * so_h + d[None, :] * so_d,
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -205,7 +215,7 @@ def _kernels():
             bw_ptr, s_ptr, o_ptr, wv_ptr, wl_ptr, lse_ptr,
             Hkv, G, Q, D, R, n_splits, n_rows_pad,
             sb_b, sb_o, sb_r, ss_b, so_b, so_q, so_h, so_d,
-            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+            COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
         # one program: BLOCK_M packed rows of one (batch, KV head); merges the splits by their log-sum-exp
         mb = tl.program_id(0)
         bk = tl.program_id(1)
@@ -236,10 +246,18 @@ def _kernels():
         den = tl.where(den == 0.0, 1.0, den)
         ov = acc_v / den[:, None]
         pl = acc_l / den[:, None]
-        bt = tl.load(bw_ptr + b * sb_b + (kvh * D + d)[None, :] * sb_o + j[:, None] * sb_r,
-                     mask=(j < R)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if COLUMNS:  # (P·L) · B_head^T as in the main kernel's epilogue
+            lb = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            b_row = bw_ptr + b * sb_b + (kvh * D + d) * sb_o
+            for jj in range(0, R):
+                pl_j = tl.sum(tl.where(j[None, :] == jj, pl, 0.0), 1)
+                lb += pl_j[:, None] * tl.load(b_row + jj * sb_r, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            bt = tl.load(bw_ptr + b * sb_b + (kvh * D + d)[None, :] * sb_o + j[:, None] * sb_r,
+                         mask=(j < R)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            lb = tl.dot(pl, bt, input_precision="ieee")
         sv = tl.load(s_ptr + b * ss_b).to(tl.float32)
-        out = ov + sv * tl.dot(pl, bt, input_precision="ieee")
+        out = ov + sv * lb
         tl.store(o_ptr + b * so_b + qi[:, None] * so_q + h[:, None] * so_h + d[None, :] * so_d,
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -324,10 +342,10 @@ def lowrank_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torc
     n_rows = G * q
     block_d = max(16, triton.next_power_of_2(D))
     block_r = max(16, triton.next_power_of_2(r))
-    # tiles sized for the ~100-200 KB of shared memory of an A100 / H100 (float32 tiles take twice the room)
-    wide = value.element_size() == 4 or block_d > 128
-    block_m = min(64 if wide else 128, max(16, triton.next_power_of_2(n_rows)))
-    block_n = (32 if wide else 64) if block_m >= 64 else (64 if wide else 128)  # decode: few rows, long key tiles
+    # tiles, warps and stages for the dtype, head dim, rank and the GPU's shared memory (see attention_tiles)
+    tile = sizing.attention_tiles(value.element_size(), block_d, sizing.target(value.device).shared_memory,
+                                  rows=n_rows, block_r=block_r)
+    block_m, block_n = tile.block_m, tile.block_n
     n_mblocks = triton.cdiv(n_rows, block_m)
     splits = num_splits or _num_splits(n_mblocks * B * Hkv, T, block_n, value.device)
     split_tokens = triton.cdiv(triton.cdiv(T, splits), block_n) * block_n
@@ -344,21 +362,25 @@ def lowrank_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torc
         lse = torch.empty(B * Hkv * splits * n_rows_pad, **f32)
     else:
         wv = wl = lse = out  # never touched
-    # Triton's interpreter multiplies bfloat16 dot operands wrongly (as raw bits): off CUDA the operands are
-    # widened to float32 after the same roundings, which is exact (products of 8/11-bit mantissas fit float32)
-    upcast = value.device.type != "cuda"
+    # Triton's interpreter multiplies bfloat16 dot operands wrongly (as raw bits): while it runs (whatever the
+    # tensors' device) the operands are widened to float32 after the same roundings, which is exact (products of
+    # 8/11-bit mantissas fit float32)
+    upcast = sizing.interpreted(kernel)
     precision = "ieee" if value.dtype == torch.float32 or upcast else "tf32"  # float32 stays float32 (no TF32)
-    num_warps = 8 if block_m >= 128 else 4
+    # the epilogue's (P·L) · B_head^T: a tl.dot on an [r, D] float32 tile of B up to 32 KB; past that (r = 64,
+    # D = 256: 64 KB) one rank column at a time, which the dot's operand tile spilled ~250 B per thread for
+    columns = block_r * block_d > 8192
     kernel[(n_mblocks, B * Hkv, splits)](
         query, key, value, L, Bw, s, mask, out, wv, wl, lse,
         Hkv, G, q, T, D, r, float(scaling) * LOG2E, split_tokens, n_rows_pad,
         *query.stride(), *key.stride(), *value.stride(), *L.stride(), *Bw.stride(), s.stride(0),
         sm_b, sm_q, sm_t, *out.stride(),
-        MASK_KIND=kind, CAUSAL=causal, SPLIT=splits > 1, PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=num_warps, num_stages=2)
+        MASK_KIND=kind, CAUSAL=causal, SPLIT=splits > 1, PRECISION=precision, UPCAST=upcast, COLUMNS=columns,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     if splits > 1:
         merge[(n_mblocks, B * Hkv)](
             Bw, s, out, wv, wl, lse, Hkv, G, q, D, r, splits, n_rows_pad,
             *Bw.stride(), s.stride(0), *out.stride(),
-            BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
+            COLUMNS=columns, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
     return out

@@ -190,7 +190,9 @@ def rope_rebase_triton(dst: torch.Tensor, src: torch.Tensor, delta: int | torch.
     block_half = triton.next_power_of_2(half)
     n_pass = D - 2 * half
     block_pass = triton.next_power_of_2(n_pass) if n_pass else 0
-    block_t = max(1, min(triton.next_power_of_2(T), 64, 4096 // block_half))
+    # ~4k elements per program of each of x1, x2, cos, sin (and of the copied dims: partial rotary at head dim
+    # 256 with 64 tokens spilled registers in the compile check)
+    block_t = max(1, min(triton.next_power_of_2(T), 64, 4096 // max(block_half, block_pass)))
     n_tblocks = triton.cdiv(T, block_t)
     kernel[(B * H * n_tblocks,)](
         src, dst, cos, sin,

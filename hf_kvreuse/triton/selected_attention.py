@@ -40,8 +40,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
+
+from . import sizing
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -181,25 +184,44 @@ def selected_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 class SelectedPositions:
     """The positions of one selected-row attention (``q_pos``, ``k_pos``, ``k_valid``) with what every layer of a
-    forward can share, built on first use per device: :func:`visible_end` bounds for the kernel and the
-    :class:`BlockPlan` of the CPU formulation."""
+    forward can share, built on first use per device: :func:`visible_end` bounds for the kernel, the
+    :class:`BlockPlan` of the CPU formulation, and the explicit ``[1, 1, R, N]`` mask (``mask``: a function that
+    builds it) for a layer that cannot take this attention and falls back to the model's own."""
 
     def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None,
-                 block_m: int = 64, block_n: int = 64, cpu_block: int | None = None):
+                 block_m: int | None = None, block_n: int | None = None, cpu_block: int | None = None,
+                 mask: Callable[[], torch.Tensor] | None = None):
         self.q_pos, self.k_pos, self.k_valid = q_pos, k_pos, k_valid
         self.block_m, self.block_n, self.cpu_block = block_m, block_n, cpu_block
+        self._mask = mask
         self._ends: dict = {}
         self._plans: dict = {}
+        self._masks: dict = {}
+
+    @property
+    def has_mask(self) -> bool:
+        """Whether a fallback mask can be built (the partial-recompute engine passes the model a placeholder)."""
+        return self._mask is not None
+
+    def fallback_mask(self, device: torch.device) -> torch.Tensor:
+        """The explicit mask on ``device``, built on the first call (for the layers that fall back to it)."""
+        if device not in self._masks:
+            base = self._masks.get(None)
+            if base is None:
+                base = self._masks[None] = self._mask()
+            self._masks[device] = base.to(device)
+        return self._masks[device]
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``q_pos``, ``k_pos``, ``k_valid`` on ``device`` (layers of a split model live on several devices)."""
         move = (lambda t: None if t is None else t.to(device))
         return move(self.q_pos), move(self.k_pos), move(self.k_valid)
 
-    def ends(self, device: torch.device) -> torch.Tensor:
-        if device not in self._ends:
-            self._ends[device] = visible_end(*self.on(device), self.block_m)
-        return self._ends[device]
+    def ends(self, device: torch.device, block_m: int) -> torch.Tensor:
+        """:func:`visible_end` of these positions for tiles of ``block_m`` rows, on ``device`` (built once)."""
+        if (device, block_m) not in self._ends:
+            self._ends[device, block_m] = visible_end(*self.on(device), block_m)
+        return self._ends[device, block_m]
 
     def plan(self, device: torch.device) -> BlockPlan:
         if device not in self._plans:
@@ -286,8 +308,9 @@ def _kernel():
 
 def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                               k_pos: torch.Tensor, scaling: float, k_valid: torch.Tensor | None = None,
-                              out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
-                              ends: torch.Tensor | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None, block_m: int | None = None,
+                              block_n: int | None = None,
+                              ends: torch.Tensor | Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """Position-causal attention of selected rows in one Triton launch (FlashAttention-style online softmax).
 
     Parameters
@@ -297,17 +320,23 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         (non powers of two such as 80 are padded with masks).
     out : Tensor ``[B, Hq, R, D]``, optional
         Receives the result (any strides: e.g. a transposed view of a ``[B, R, Hq, D]`` buffer).
-    block_m, block_n : int
-        Rows / columns per tile (powers of two).
-    ends : IntTensor, optional
-        :func:`visible_end` of these positions for ``block_m`` (computed when not given; reusable per layer).
+    block_m, block_n : int, optional
+        Rows / columns per tile (powers of two >= 16); by default
+        :func:`~hf_kvreuse.triton.sizing.attention_tiles` sizes them for the dtype, head dim, rows and the GPU's
+        shared memory.
+    ends : callable or IntTensor, optional
+        :func:`visible_end` of these positions: a function of ``block_m`` returning it (e.g.
+        ``functools.partial(SelectedPositions.ends, positions, device)``, shared by every layer), or the tensor
+        itself, which needs an explicit ``block_m`` (it is only valid for that tile height). Computed when not
+        given.
 
     Notes
     -----
     Scores and the softmax are float32. float32 inputs multiply in IEEE float32 (no TF32); half-precision
     probabilities are rounded to the value dtype before ``P V`` (as FlashAttention does), about one ulp of the
-    output. CPU tensors need ``TRITON_INTERPRET=1`` set before the first call; there half-precision tiles are
-    multiplied as float32 (exact widening; the interpreter's bfloat16 ``tl.dot`` returns garbage in triton 3.9).
+    output. CPU tensors need ``TRITON_INTERPRET=1`` set before the first call; under the interpreter (whatever the
+    tensors' device) half-precision tiles are multiplied as float32 (exact widening; the interpreter's bfloat16
+    ``tl.dot`` returns garbage in triton 3.9).
     """
     B, Hq, Hkv, R, N, D = _check(q, k, v, q_pos, k_pos, k_valid)
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -315,6 +344,9 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         f"{k.dtype}, {v.dtype}")
     if D > 256:
         raise ValueError(f"head dim {D} > 256 is not supported")
+    if isinstance(ends, torch.Tensor) and block_m is None:
+        raise ValueError("ends given as a tensor needs the block_m it was computed for (or pass a function of "
+                         "block_m)")
     if out is None:
         out = q.new_empty(B, Hq, R, D)
     elif out.shape != q.shape or out.dtype != q.dtype:
@@ -322,19 +354,24 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.numel() == 0:
         return out
     dev = q.device
+    triton, kernel = _kernel()
+    block_d = max(16, triton.next_power_of_2(D))
+    tile = sizing.attention_tiles(q.element_size(), block_d, sizing.target(dev).shared_memory, rows=R,
+                                  block_m=block_m, block_n=block_n)
     q_pos = q_pos.to(device=dev, dtype=torch.long).contiguous()
     k_pos = k_pos.to(device=dev, dtype=torch.long).contiguous()
     valid = k_valid.to(device=dev, dtype=torch.int8).contiguous() if k_valid is not None else k_pos
     if ends is None:
-        ends = visible_end(q_pos, k_pos, None if k_valid is None else k_valid.to(dev), block_m)
+        ends = visible_end(q_pos, k_pos, None if k_valid is None else k_valid.to(dev), tile.block_m)
+    elif not isinstance(ends, torch.Tensor):
+        ends = ends(tile.block_m)
     ends = ends.to(device=dev, dtype=torch.int32)
-    triton, kernel = _kernel()
-    block_d = max(16, triton.next_power_of_2(D))
-    grid = (triton.cdiv(R, block_m), B * Hq)
+    grid = (triton.cdiv(R, tile.block_m), B * Hq)
     kernel[grid](q, k, v, out, q_pos, k_pos, valid, ends,
                  Hq, R, D, Hq // Hkv, float(scaling) * math.log2(math.e),
                  *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                  HAS_VALID=k_valid is not None, IEEE=q.dtype == torch.float32,
-                 UPCAST=q.dtype != torch.float32 and dev.type == "cpu",
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+                 UPCAST=q.dtype != torch.float32 and sizing.interpreted(kernel),
+                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d,
+                 num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out

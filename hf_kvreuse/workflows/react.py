@@ -263,6 +263,10 @@ def load_role_adapters(model, path: str | Path | None = None):
     for role in ROLES:
         if not (path / role / "adapter_config.json").is_file():
             raise FileNotFoundError(f"no {role!r} adapter in {path} (expected {path / role}/adapter_config.json)")
+    from ..artifacts import verify_files
+
+    for role in ROLES:  # sha256 (sha256.json beside peft's files) and finite values
+        verify_files(path / role, f"the {role!r} role adapter")
     _check_adapter_shapes(model, path / ROLES[0])
     pm = import_peft().PeftModel.from_pretrained(model, path / ROLES[0], adapter_name=ROLES[0])
     for role in ROLES[1:]:

@@ -1,0 +1,321 @@
+"""OptimisticCache with verified drafts (``rebase="verify"``), the confidence gate and the repair of the optimistic
+cache (issue 23). Every test names in its docstring a planted bug that makes it fail (docs/MUTATIONS.md)."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvreuse import OptimisticCache, ReuseSession, enable, output_cache
+from hf_kvreuse.cache_classes.optimistic import speculative_accept
+from hf_kvreuse.compat import cache_kwargs
+from hf_kvreuse.generation.background import BackgroundPrefill
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.models import tiny_model
+
+from conftest import assert_kv_close, exact_prefill
+
+
+def _agents(seed=0, shared=40, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    ids_a = torch.randint(3, vocab, (1, shared), generator=g)
+    ids_b = torch.cat([torch.randint(3, vocab, (1, 5), generator=g), ids_a[:, 4:]], 1)
+    return ids_a, ids_b
+
+
+def _donor(model, ids):
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    return output_cache(out), out.sequences
+
+
+def _full(model, ids, **kw):
+    return model.generate(ids, return_dict_in_generate=True, output_scores=True, output_logits=True, **kw)
+
+
+def _same_as(out, ref, atol=1e-4):
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores) and len(out.logits) == len(ref.logits)
+    torch.testing.assert_close(torch.cat(out.scores), torch.cat(ref.scores), atol=atol, rtol=atol)
+    torch.testing.assert_close(torch.cat(out.logits), torch.cat(ref.logits), atol=atol, rtol=atol)
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The background exact prefill is never ready on its own: the swap happens at max_optimistic_tokens."""
+    monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: False)
+
+
+@pytest.mark.parametrize("donor", ["other_agent", "same_prompt"])
+@pytest.mark.parametrize("swap_after", [0, 1, 4, "all"])
+def test_verify_greedy_is_plain_generate(arch_model, monkeypatch, donor, swap_after):
+    """Greedy ``rebase="verify"`` gives plain generate's tokens, processed scores and raw logits, with the swap
+    after 0, 1, several and all tokens, with drafts that are all withdrawn (another agent's re-positioned cache on
+    a random model) or all kept (the prompt's own cache); the returned cache is the exact cache of the output.
+
+    Planted bugs that fail it: ``_verify`` keeps one draft too many (``j + 1``); it replays the drafts one position
+    too far (``arange(n, n + g + 1)``). (Cropping one row too many is an equivalent mutant: generate then feeds
+    the missing row again.)"""
+    model = arch_model
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(model, ids_a if donor == "other_agent" else ids_b)
+    new = 10
+    if swap_after == 0:
+        monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: True)
+        limit = 8
+    else:
+        monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: False)
+        limit = None if swap_after == "all" else swap_after
+    cache = OptimisticCache(model, ids_b, cache_a, seq_a, max_optimistic_tokens=limit, rebase="verify")
+    out = _full(model, ids_b, cache=cache, max_new_tokens=new, do_sample=False)
+    ref = _full(model, ids_b, max_new_tokens=new, do_sample=False)
+    _same_as(out, ref)
+    st = cache.stats
+    drafts = {0: 0, 1: 1, 4: 4, "all": new}[swap_after]
+    assert st.optimistic_tokens == drafts and st.accepted_tokens + st.rejected_tokens == drafts
+    if donor == "same_prompt":
+        assert st.rejected_tokens == 0  # the prompt's own cache is exact: every draft is kept
+    assert st.first_verified_token_s is not None and st.exact
+    exact, _ = exact_prefill(model, out.sequences[:, :-1])
+    assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
+    # the returned cache continues the conversation as plain generate would
+    more = torch.cat([out.sequences, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9))], 1)
+    assert torch.equal(model.generate(more, cache=cache, max_new_tokens=4, do_sample=False),
+                       model.generate(more, max_new_tokens=4, do_sample=False))
+
+
+def test_planted_rejection_in_the_middle(llama, held, monkeypatch):
+    """Drafts from an exact cache with one planted wrong draft (the 4th): the first 3 are kept, the 4th is replaced
+    by the exact choice, the rest withdrawn, and the output is plain generate's.
+
+    Planted bug that fails it: ``_verify`` counts kept drafts with ``sum`` instead of the cumulative product (a
+    draft after the rejection counts as kept: a wrong token stays)."""
+    ids = _agents()[1]
+    cache_a, seq_a = _donor(llama, ids)
+    ref = _full(llama, ids, max_new_tokens=10, do_sample=False)
+    wrong = int((ref.sequences[0, ids.shape[1] + 3] + 1) % 128)
+    after = OptimisticCache.after_forward
+
+    def plant(self, outputs):
+        if not self._swapped and self._forwards == 3:  # the forward that scores the 4th token
+            outputs.logits[0, -1, wrong] = 1e4
+        return after(self, outputs)
+
+    monkeypatch.setattr(OptimisticCache, "after_forward", plant)
+    cache = OptimisticCache(llama, ids, cache_a, seq_a, max_optimistic_tokens=8, rebase="verify")
+    out = _full(llama, ids, cache=cache, max_new_tokens=10, do_sample=False)
+    _same_as(out, ref)
+    assert (cache.stats.accepted_tokens, cache.stats.rejected_tokens) == (3, 5)
+    assert cache.stats.first_divergence == 3
+
+
+@pytest.mark.parametrize("rule", ["eos_in_withdrawn_draft", "eos_after_rollback", "max_length", "max_new_tokens",
+                                  "min_new_tokens"])
+def test_stopping_rules_hold_after_a_rollback(llama, held, rule):
+    """Every stopping rule holds after a rollback: an EOS among withdrawn drafts does not end the output, an EOS
+    chosen by the exact model does, ``max_length`` / ``max_new_tokens`` count from the original prompt, and
+    ``min_new_tokens`` keeps EOS out until that many tokens after the original prompt.
+
+    Planted bugs that fail it: the continuing generate builds its own logits processors and stopping criteria
+    (``continuing_parts`` returns None: [min_new_tokens] fails); that, and the continuation given the caller's
+    ``max_new_tokens`` instead of what is left ([max_new_tokens] fails: too many tokens)."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    n = ids_b.shape[1]
+    plain = llama.generate(ids_b, max_new_tokens=12, do_sample=False)
+    kw = dict(max_new_tokens=12)
+    if rule.startswith("eos"):
+        probe = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+        drafted = llama.generate(ids_b, cache=probe, max_new_tokens=6, do_sample=False)[0, n:]
+        if rule == "eos_in_withdrawn_draft":  # a draft that the exact model does not choose
+            eos = next(int(t) for t, p in zip(drafted, plain[0, n:]) if t != p and int(t) not in plain[0, n:])
+        else:  # a token the exact model chooses after the drafts (the first of its kind in the answer)
+            gen = plain[0, n:].tolist()
+            stop_at = next(i for i in range(6, 12) if gen[i] not in gen[:i])
+            eos = gen[stop_at]
+        kw["eos_token_id"] = eos
+        plain = llama.generate(ids_b, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        kw["pad_token_id"] = 0
+    elif rule == "max_length":
+        kw = dict(max_length=n + 9)
+        plain = llama.generate(ids_b, do_sample=False, **kw)
+    elif rule == "min_new_tokens":  # EOS = a token the exact model chooses at step k >= 6, forbidden until k + 2
+        gen = plain[0, n:].tolist()
+        k = next(i for i in range(6, 12) if gen[i] not in gen[:i])
+        kw = dict(max_new_tokens=12, min_new_tokens=k + 2, eos_token_id=gen[k], pad_token_id=0)
+        plain = llama.generate(ids_b, do_sample=False, **kw)
+        assert plain.shape[1] > n + k + 1  # EOS was kept out at step k
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="verify")
+    out = llama.generate(ids_b, cache=cache, do_sample=False, **kw)
+    assert torch.equal(out, plain), (rule, out[0, n:], plain[0, n:])
+    if rule == "eos_after_rollback":
+        assert out.shape[1] == n + stop_at + 1
+
+
+def test_streamer_receives_verified_tokens_only(llama, held):
+    """The caller's streamer gets the prompt, then exactly the output's tokens (never a withdrawn draft), then
+    ``end()`` once.
+
+    Planted bug that fails it: ``drive`` passes the caller's streamer to the drafting generate unwrapped (the
+    withdrawn drafts are streamed)."""
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ends = [], 0
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ends += 1
+
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    rec = Recorder()
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=5, rebase="verify")
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=10, do_sample=False, streamer=rec)
+    assert cache.stats.rejected_tokens > 0
+    assert rec.puts[0] == ids_b[0].tolist() and rec.ends == 1
+    assert sum(rec.puts[1:], []) == out[0, ids_b.shape[1]:].tolist()
+
+
+def _direct_rule(p_scores, q_scores, drafts, gen):
+    """The speculative-sampling rule written out independently of the library (Leviathan et al. 2023, Alg. 1)."""
+    p, q = torch.softmax(p_scores.double(), -1), torch.softmax(q_scores.double(), -1)
+    for i, t in enumerate(drafts.tolist()):
+        r = torch.rand((), generator=gen, device=p.device)
+        if r.item() < min(1.0, (p[i, t] / q[i, t]).item()):
+            continue
+        resid = torch.clamp(p[i] - q[i], min=0)
+        return i, torch.multinomial((resid / resid.sum()).float(), 1, generator=gen)[0]
+    return len(drafts), torch.multinomial(p[-1].float(), 1, generator=gen)[0]
+
+
+def test_speculative_rule_matches_a_direct_implementation():
+    """With the same generator seed, ``speculative_accept`` keeps the same drafts and draws the same next token as
+    an independent implementation of the rule, over many random cases (different temperatures of p vs q).
+
+    Planted bug that fails it: the residual is ``p - q`` without the clamp at 0 (or ``q - p``)."""
+    for case in range(200):
+        g = torch.Generator().manual_seed(case)
+        v, k = 12, int(torch.randint(1, 5, (), generator=g))
+        p = torch.randn(k + 1, v, generator=g) * 2
+        q = p[:k] + torch.randn(k, v, generator=g) * (case % 3)
+        drafts = torch.multinomial(torch.softmax(q, -1), 1, generator=g)[:, 0]
+        got = speculative_accept(p, q, drafts, generator=torch.Generator().manual_seed(1000 + case))
+        want = _direct_rule(p, q, drafts, torch.Generator().manual_seed(1000 + case))
+        assert got[0] == want[0] and int(got[1]) == int(want[1]), case
+
+
+@pytest.mark.slow  # 200 generate calls: the full suite runs it, the per-version matrix does not
+def test_sampled_first_token_follows_the_exact_distribution(llama, held):
+    """Sampling with ``rebase="verify"``: the first token's empirical distribution over 200 calls matches the exact
+    model's (processed, temperature 2) distribution (chi-square goodness of fit, p > 1e-3), although it is drafted
+    from another agent's cache whose distribution differs (checked: total variation > 0.3).
+
+    Planted bug that fails it: ``speculative_accept`` keeps every draft (the tokens then follow the draft's
+    distribution)."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    temp = 2.0
+    with torch.no_grad():
+        exact_logits = llama(ids_b).logits[0, -1]
+    p = torch.softmax(exact_logits / temp, -1)
+    probe = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=1, rebase="commit",
+                            record_divergence=False)
+    draft_logits = _full(llama, ids_b, cache=probe, max_new_tokens=1, do_sample=True, temperature=temp,
+                         top_k=0).logits[0][0]
+    q = torch.softmax(draft_logits / temp, -1)
+    assert 0.5 * float((p - q).abs().sum()) > 0.3
+    torch.manual_seed(0)
+    counts = torch.zeros_like(p)
+    n = 200
+    for _ in range(n):
+        cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=None, rebase="verify",
+                                record_divergence=False)
+        out = llama.generate(ids_b, cache=cache, max_new_tokens=1, do_sample=True, temperature=temp, top_k=0)
+        counts[int(out[0, -1])] += 1
+    keep = p * n >= 5  # chi-square cells with enough expected counts; the rest pooled
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([p[keep] * n, (p[~keep].sum() * n)[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    pvalue = float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2.0), torch.tensor(chi2 / 2.0)))
+    assert pvalue > 1e-3, (chi2, pvalue)
+
+
+def test_gate_one_is_plain_generate_and_zero_is_commit(llama, held):
+    """``rebase="commit"`` with ``gate=1.0`` (every step uncertain): the first step already swaps, so the output is
+    plain generate's (tokens and logits); ``gate=0.0`` never swaps early (as commit without a gate).
+
+    Planted bug that fails it: ``_gate`` swaps but does not overwrite ``outputs["logits"]`` (generate then picks the
+    gated step's token from the optimistic logits)."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    ref = _full(llama, ids_b, max_new_tokens=8, do_sample=False)
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit", gate=1.0)
+    _same_as(_full(llama, ids_b, cache=cache, max_new_tokens=8, do_sample=False), ref)
+    assert cache.stats.gated_step == 0 and cache.stats.optimistic_tokens == 0
+    plain_commit = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+    zero = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit", gate=0.0)
+    a = llama.generate(ids_b, cache=plain_commit, max_new_tokens=8, do_sample=False)
+    b = llama.generate(ids_b, cache=zero, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b) and zero.stats.gated_step is None and zero.stats.swap_step == 6
+
+
+def test_gate_swaps_at_the_first_uncertain_step(llama, held):
+    """With a gate between the steps' margins, the swap happens at the first step whose margin is below it, and
+    that step's token is the exact model's choice after the same earlier (optimistic) tokens.
+
+    Planted bug that fails it: ``_gate`` swaps when the margin is at or above the gate (the comparison reversed:
+    it swaps at the first confident step). (Comparing raw logit margins instead of probabilities was tried too: it
+    swaps at the same step here, an equivalent mutant on this model.)"""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    n = ids_b.shape[1]
+    probe = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+    drafts = _full(llama, ids_b, cache=probe, max_new_tokens=6, do_sample=False)
+    margins = [float(torch.softmax(s[0], -1).topk(2).values.diff().abs()) for s in drafts.scores[:6]]
+    step = min(range(6), key=lambda i: margins[i])
+    gate = margins[step] + 1e-6
+    first = next(i for i in range(6) if margins[i] < gate)
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit", gate=gate)
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=8, do_sample=False)
+    assert cache.stats.gated_step == first
+    with torch.no_grad():
+        exact_next = llama(out[:, : n + first]).logits[0, -1].argmax()
+    assert int(out[0, n + first]) == int(exact_next)
+
+
+@pytest.mark.parametrize("repair", ["blend", "epic"])
+def test_full_repair_is_plain_generate(llama, held, repair):
+    """Repairing every reused row (``repair_ratio=1``, or ``repair_tokens`` longer than every span) makes the
+    optimistic cache exact: commit mode then gives plain generate's tokens and logits.
+
+    Planted bugs that fail it: ``blend_recompute`` skips its second pass (selected rows keep reused K/V above the
+    check layer); ``_assemble`` recomputes only the unmatched rows under ``repair="epic"``."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    ref = _full(llama, ids_b, max_new_tokens=8, do_sample=False)
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit",
+                            repair=repair, repair_ratio=1.0, repair_tokens=1000)
+    _same_as(_full(llama, ids_b, cache=cache, max_new_tokens=8, do_sample=False), ref)
+    assert cache.stats.repaired_tokens > 0 and cache.stats.reused_tokens == 0 and cache.stats.divergent_tokens == 0
+
+
+def test_session_default_keeps_the_answers(llama):
+    """``ReuseSession`` decodes optimistically by default and its answers equal plain generate's (greedy), agent
+    after agent; ``rebase="commit"`` is one keyword away.
+
+    Planted bug that fails it: the session's default ``rebase`` is "commit" (answers differ on this random
+    model)."""
+    doc = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
+    roles = [torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(10 + i)) for i in range(3)]
+    s = ReuseSession(llama)
+    fast = ReuseSession(llama, rebase="commit")
+    differs = False
+    for r in roles:
+        ids = torch.cat([r, doc], 1)
+        out = s.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, llama.generate(ids, max_new_tokens=8, do_sample=False))
+        differs |= not torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=False), out)
+    assert s.last_stats.method == "optimistic" and s.last_stats.cache_stats["rebase"] == "verify"
+    assert fast.last_stats.cache_stats["rebase"] == "commit" and differs
