@@ -269,6 +269,7 @@ def summarize(a, argv) -> None:
            "maps": {}, "configs": [], "items": {}}
     for f in a.inputs:
         part = json.loads(Path(f).read_text())
+        res.setdefault("runs", {})[f] = {k: part.get(k) for k in ("command", "git_commit", "date", "args")}
         res["maps"].update(part.get("maps", {}))
         for c in part.get("configs", []):
             if c["key"] not in [x["key"] for x in res["configs"]]:
