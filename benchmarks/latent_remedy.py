@@ -8,7 +8,9 @@ the block K/V that agent X computed under its own prefix), greedy answers of age
 * ``post``: reuse plus the harness's text bridge after the block ("Current task objective (takes priority): ...");
 * ``tail16``: reuse, the block's last 16 tokens recomputed;
 * ``blend``: CacheBlend (15% of the block rows recomputed after layer 1);
-* ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint).
+* ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint), no tail;
+* ``latent_tail16``: the same bridge plus Tail-16 (the block's last 16 rows recomputed with the latents);
+* ``--extra-bridges NAME=PATH``: more LatentRemedy variants (each with the tail its bridge was trained with).
 
 TTFT (streamer timestamps; the donor's block K/V are in the chunk store beforehand, as in the harness) is reported
 as the median ratio to direct reuse. Accuracy has Wilson 95% intervals; "recovered" is the share of the accuracy
@@ -39,9 +41,27 @@ from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct,
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import wilson  # noqa: E402
-METHODS = ("full", "reuse", "post", "tail16", "blend", "latent")
+METHODS = ("full", "reuse", "post", "tail16", "blend", "latent", "latent_tail16")
 MODELS = {"smollm2": ("smollm2-135m-instruct", torch.float32), "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct",
                                                                                   torch.bfloat16)}
+
+
+def run_full(model, tok, ids, span, store, donor_prefix, max_new=8) -> tuple[str, float]:
+    """Full prefill of one agent's prompt; its block rows go to the store as that agent's block K/V (what
+    ``store.get_or_compute`` under its prefix computes, without a second forward)."""
+    from transformers import DynamicCache
+
+    from hf_kvreuse.chunk_store import KVChunk, model_fingerprint
+    from hf_kvreuse.compat import cache_kwargs
+
+    timer = TokenTimer().start()
+    x = torch.tensor([ids])
+    cache = DynamicCache(config=model.config)
+    out = model.generate(x, max_new_tokens=max_new, do_sample=False, streamer=timer, **cache_kwargs(cache))
+    s, e = span
+    kv = [(layer.keys[..., s:e, :].clone(), layer.values[..., s:e, :].clone()) for layer in cache.layers]
+    store.put(model, KVChunk(torch.tensor(ids[s:e]), kv, start=s), donor_prefix, producer=model_fingerprint(model))
+    return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True).strip(), timer.ttft_s
 
 
 def run(model, tok, ids, cache=None, max_new=8) -> tuple[str, float]:
@@ -60,28 +80,41 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1000, help="record seed (training uses other seeds)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--bridge", default=None, help="LatentBridge folder (default: the shipped checkpoint)")
+    p.add_argument("--extra-bridges", nargs="*", default=[], help="NAME=PATH: more LatentRemedy variants")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="model dtype (default: float32 for smollm2, bfloat16 for qwen)")
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--records", default=None, help="a:b, only these records of each family (to split a run)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     name, dtype = MODELS[a.model]
+    dtype = getattr(torch, a.dtype) if a.dtype else dtype
     model, tok = load_offline(name, dtype=dtype)
     enable(model)
     bridge = None
-    if "latent" in a.methods:
+    if {"latent", "latent_tail16"} & set(a.methods):
         bridge = LatentBridge.from_pretrained(model, a.bridge)
+    extra = {}
+    for spec in a.extra_bridges:
+        key, path = spec.split("=", 1)
+        extra[key] = LatentBridge.load(path, model)
+    methods = list(a.methods) + list(extra)
     rows = []
     t_start = time.perf_counter()
     for fam in a.families:
+        lo, hi = (int(x) for x in a.records.split(":")) if a.records else (0, a.n)
         for r_i, rec in enumerate(conflict_records(fam, a.n, seed=a.seed)):
+            if not lo <= r_i < hi:
+                continue
             parts = {s: prompt_parts(tok, rec, s) for s in "ab"}
             posts = {s: prompt_parts(tok, rec, s, post=True) for s in "ab"} if "post" in a.methods else {}
             store = ChunkStore()
             full = {}
             for side in "ab":
-                ids, _ = parts[side]
-                ans, ttft = run(model, tok, ids, max_new=a.max_new_tokens)
+                ids, span = parts[side]
+                ans, ttft = run_full(model, tok, ids, span, store, torch.tensor(ids[:span[0]]), a.max_new_tokens)
                 full[side] = ans
                 rows.append({"family": fam, "record": r_i, "direction": f"full_{side}", "method": "full",
                              "answer": ans, "ok": is_correct(ans, rec.gold(side)), "ttft_s": ttft})
@@ -89,8 +122,8 @@ def main(argv=None) -> None:
                 donor_ids, (ds, de) = parts[src]
                 ids, span = parts[tgt]
                 prefix = torch.tensor(donor_ids[:ds])
-                store.get_or_compute(model, torch.tensor(ids[span[0]:span[1]]), prefix)  # the donor's block K/V
-                for method in a.methods:
+                store.get_or_compute(model, torch.tensor(ids[span[0]:span[1]]), prefix)  # in the store (run_full)
+                for method in methods:
                     if method == "full":
                         continue
                     use_ids, use_span = (posts[tgt] if method == "post" else (ids, span))
@@ -100,31 +133,46 @@ def main(argv=None) -> None:
                              "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "blend": lambda: BlendCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "latent": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
-                                                                 bridge=bridge, **kw)}[method]()
+                                                                 bridge=bridge, tail_tokens=0, **kw),
+                             "latent_tail16": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
+                                                                        bridge=bridge, tail_tokens=16, **kw),
+                             **{k: (lambda b=b: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span], bridge=b,
+                                                                 **kw)) for k, b in extra.items()}}[method]()
                     ans, ttft = run(model, tok, use_ids, cache, a.max_new_tokens)
                     rows.append({"family": fam, "record": r_i, "direction": f"{src}->{tgt}", "method": method,
                                  "answer": ans, "ok": is_correct(ans, rec.gold(tgt)), "agree_full": ans == full[tgt],
                                  "ttft_s": ttft})
             done = sum(1 for r in rows if r["method"] == "full") // 2
-            if done % 10 == 0:
+            if done % 5 == 0:
                 print(f"{fam} {r_i + 1}/{a.n} ({(time.perf_counter() - t_start) / done:.1f} s/record)", flush=True)
-    summary = summarize(rows, a.methods)
+    summary = summarize(rows, methods)
     out = Path(a.out or HERE / "results" / f"latent_remedy_{a.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/latent_remedy.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "args": vars(a), "bridge": None if bridge is None else {"n_latent": bridge.n_latent, **bridge.info},
+            "extra_bridges": {k: {"n_latent": b.n_latent, "tail_tokens": b.tail_tokens, **b.info} for k, b in extra.items()},
             "date": time.strftime("%Y-%m-%d %H:%M")}
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))
-    if len(a.methods) > 2:
+    if len(methods) > 2:
         plot(summary, out.with_suffix(".png"))
 
 
 def summarize(rows: list[dict], methods) -> dict:
+    """Accuracy (Wilson 95%), per direction, recovered share, agreement with full, TTFT ratio to direct reuse of
+    the same run. Rows merged from several runs (``--merge``) count once per (family, record, direction, method):
+    the first run's; TTFT ratios pair each row with the direct-reuse row of its own run."""
     out = {}
+    seen, uniq = set(), []
+    for r in rows:
+        key = (r["family"], r["record"], r["direction"], r["method"])
+        if key not in seen:
+            seen.add(key)
+            uniq.append(r)
     fams = sorted({r["family"] for r in rows}) + ["all"]
     for fam in fams:
-        sel = [r for r in rows if fam == "all" or r["family"] == fam]
+        sel_all = [r for r in rows if fam == "all" or r["family"] == fam]
+        sel = [r for r in uniq if fam == "all" or r["family"] == fam]
         res = {}
         for side in "ab":
             ok = [r["ok"] for r in sel if r["direction"] == f"full_{side}"]
@@ -151,8 +199,9 @@ def summarize(rows: list[dict], methods) -> dict:
                 # TTFT ratio to direct reuse, per (record, direction) pair, median
                 ratios = []
                 for r in (x for x in sel if x["method"] == m):
-                    base = next(x for x in sel if x["method"] == "reuse" and x["record"] == r["record"]
-                                and x["direction"] == r["direction"] and x["family"] == r["family"])
+                    cands = [x for x in sel_all if x["method"] == "reuse" and x["record"] == r["record"]
+                             and x["direction"] == r["direction"] and x["family"] == r["family"]]
+                    base = next((x for x in cands if x.get("run") == r.get("run")), cands[0])  # side by side
                     ratios.append(r["ttft_s"] / base["ttft_s"])
                 res[m]["ttft_vs_reuse"] = statistics.median(ratios)
         out[fam] = res
@@ -166,9 +215,7 @@ def markdown(path: str) -> str:
     lines = ["| family | method | accuracy [95% CI] | A->B / B->A | recovered | agreement with full | TTFT / direct reuse |",
              "|---|---|---|---|---|---|---|"]
     for fam, res in s.items():
-        for m in ("full_a", "full_b", "full", "reuse", "post", "tail16", "blend", "latent"):
-            if m not in res:
-                continue
+        for m in ["full_a", "full_b", "full"] + [k for k in res if k not in ("full_a", "full_b", "full")]:
             r = res[m]
             dirs = f"{100 * r['a->b']:.0f}% / {100 * r['b->a']:.0f}%" if "a->b" in r else "-"
             rec = f"{100 * r['recovered']:.0f}%" if "recovered" in r else "-"
@@ -186,7 +233,7 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     res = summary["all"]
-    methods = [m for m in ("full", "reuse", "post", "tail16", "blend", "latent") if m in res]
+    methods = ["full"] + [m for m in res if m not in ("full", "full_a", "full_b")]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     accs = [100 * res[m]["acc"] for m in methods]
     errs = [[100 * (res[m]["acc"] - res[m]["ci"][0]) for m in methods],
@@ -195,6 +242,8 @@ def plot(summary: dict, path: Path) -> None:
     ax[0].set_ylabel("accuracy on held-out families (%)")
     ttft = [res[m].get("ttft_vs_reuse", float("nan")) for m in methods if m not in ("full", "reuse")]
     ax[1].bar([m for m in methods if m not in ("full", "reuse")], ttft)
+    for axis in ax:
+        axis.tick_params(axis="x", rotation=30)
     ax[1].axhline(1.0, c="k", lw=0.8)
     ax[1].axhline(1.2, c="r", ls="--", lw=0.8)
     ax[1].set_ylabel("TTFT / direct reuse (median)")
@@ -203,8 +252,27 @@ def plot(summary: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def merge(out_path: str, paths: list[str]) -> None:
+    """``--merge OUT IN...``: rows of several runs over the same records (e.g. baselines, then LatentRemedy
+    variants) in one JSON, summary recomputed, plot redrawn."""
+    rows, metas = [], []
+    for i, path in enumerate(paths):
+        d = json.load(open(path))
+        metas.append(d["meta"])
+        rows.extend({**r, "run": r.get("run", f"{i}")} for r in d["rows"])
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    summary = summarize(rows, methods)
+    Path(out_path).write_text(json.dumps({"meta": {"merged_from": paths, "runs": metas,
+                                                   "command": "python benchmarks/latent_remedy.py --merge " + " ".join(
+                                                       [out_path] + paths)}, "summary": summary, "rows": rows},
+                                         indent=1))
+    plot(summary, Path(out_path).with_suffix(".png"))
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--table":
         print(markdown(sys.argv[2]))
+    elif len(sys.argv) > 3 and sys.argv[1] == "--merge":
+        merge(sys.argv[2], sys.argv[3:])
     else:
         main()

@@ -18,6 +18,7 @@ from .generation import disable, enable, install_routing, is_enabled
 from .latent import LatentBridge, LatentBridgeMismatchError
 from .lora import LoraSplit, UnsupportedAdapterError
 from .model_check import UnsupportedModelError
+from .persist import DiskTier, PersistedKVError
 from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer, RandomScorer,
                           RankDisagreementScorer, Scorer)
 from .rope import UnsupportedRopeError
@@ -39,7 +40,7 @@ __all__ = [
     "BaseLRCache", "BaseLRStats", "TurnStats", "LoraSplit", "UnsupportedAdapterError",
     "TranslatedCache", "TranslatedStats", "KVMapper", "MapperMismatchError", "Scorer", "RankDisagreementScorer",
     "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer",
-    "ChunkStore", "KVChunk", "output_cache",
+    "ChunkStore", "KVChunk", "DiskTier", "PersistedKVError", "output_cache",
     "enable", "disable", "is_enabled",
     "UnsupportedRopeError", "UnsupportedModelError",
     "KVReuseTextGenerationPipeline", "ReuseSession", "SessionStats",

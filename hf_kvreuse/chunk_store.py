@@ -44,6 +44,9 @@ class KVChunk:
     prefix_digest: str = "-"
     anchor: KV | None = None
     anchor_token: int | None = None
+    #: read-outs computed with the chunk's K/V that a cache may keep with it (LatentRemedy: the bridge's read-out of
+    #: an agent's own prefix); not counted in ``nbytes``
+    extra: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -63,6 +66,17 @@ class ChunkStore:
     ----------
     max_bytes : int, default=2 GiB
         Least recently used chunks are evicted beyond this.
+    disk : DiskTier, optional
+        A second tier on disk (:class:`hf_kvreuse.persist.DiskTier`, its own byte budget), shared with other
+        processes: memory misses are looked up there (verified before use), every chunk put is written there too.
+        ``ChunkStore(max_bytes=1 << 30, disk=DiskTier("kv_chunks", max_bytes=20 << 30))``.
+
+    Attributes
+    ----------
+    hits, misses : int
+        Lookups of this store that found / did not find the chunk (a disk-tier hit counts as a hit).
+    evictions : int
+        Chunks evicted from memory to stay under ``max_bytes``.
     """
 
     max_bytes: int = 2 << 30
@@ -70,6 +84,7 @@ class ChunkStore:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    disk: "DiskTier | None" = None  # noqa: F821 -- hf_kvreuse.persist.DiskTier
 
     @property
     def nbytes(self) -> int:
@@ -87,11 +102,16 @@ class ChunkStore:
             producer: str | None = None) -> KVChunk | None:
         k = self.key(model, token_ids, prefix_ids, adapter, producer)
         chunk = self._items.get(k)
+        if chunk is None and self.disk is not None:
+            chunk = self.disk.get(model, k)  # verified against the model, or PersistedKVError
+            if chunk is not None:
+                self._put_memory(k, chunk)
         if chunk is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._items.move_to_end(k)
+        if k in self._items:
+            self._items.move_to_end(k)
         return chunk
 
     def put(self, model, chunk: KVChunk, prefix_ids=None, adapter: str | None = None,
@@ -99,11 +119,23 @@ class ChunkStore:
         if chunk.nbytes > self.max_bytes:
             raise ValueError(f"a chunk of {chunk.nbytes} bytes does not fit the store's budget of {self.max_bytes}")
         k = self.key(model, chunk.token_ids, prefix_ids, adapter, producer)
+        self._put_memory(k, chunk)
+        if self.disk is not None:
+            self.disk.put(model, k, chunk)
+
+    def _put_memory(self, k: tuple, chunk: KVChunk) -> None:
+        if chunk.nbytes > self.max_bytes:
+            return  # a disk-tier chunk larger than the memory budget is used once, not kept
         self._items[k] = chunk
         self._items.move_to_end(k)
         while self.nbytes > self.max_bytes:
             self._items.popitem(last=False)
             self.evictions += 1
+
+    def __repr__(self) -> str:
+        from .reprs import store_repr
+
+        return store_repr(self)
 
     @torch.no_grad()
     def get_or_compute(self, model, token_ids, prefix_ids=None, adapter: str | None = None,

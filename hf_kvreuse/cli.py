@@ -11,9 +11,12 @@ runs first and is the reference. Per method it reports:
   ``judge`` shape, and task accuracy (a gold answer in the final answer), each with a 95% Wilson interval.
 
 Writes ``bench.json`` (every call), ``bench.csv`` (the summary) and three plots (TTFT per method, accuracy vs
-TTFT, per-agent timelines of the first question). Example::
+TTFT, per-agent timelines of the first question). ``bench.json`` is rewritten (atomically) after every question
+with what was measured so far and ``"complete": false``, so a stopped run keeps its records; the last write says
+``"complete": true``. Example::
 
     hf-kvreuse bench --model qwen2.5-0.5b --workflows fully_connected --methods full,prefix,auto,blend --n 50
+    hf-kvreuse bench --model path/to/any/model_folder --dtype bf16 --n 5      # a local transformers model
 """
 
 from __future__ import annotations
@@ -70,9 +73,14 @@ def paired_difference(x: Sequence[bool], y: Sequence[bool], z: float = 1.96) -> 
 
 
 def load(name: str, dtype: str):
+    """``(model, tokenizer)`` of an offline model key or a local model folder; the workflows need a chat template."""
     from .models import load_by_key
 
-    return load_by_key(name, dtype)
+    model, tok = load_by_key(name, dtype)
+    if getattr(tok, "chat_template", None) is None:
+        raise SystemExit(f"--model {name}: its tokenizer has no chat template; the bench's workflows are chats "
+                         "(use an instruct / chat model, or add tokenizer_config.json's chat_template)")
+    return model, tok
 
 
 def questions(tok, n: int, context_tokens: int, seed: int = 0):
@@ -86,7 +94,8 @@ def questions(tok, n: int, context_tokens: int, seed: int = 0):
 
 
 def floor_for(model, turn_ids: torch.Tensor, new_tokens: int) -> float:
-    """Floor of one call: prefill of ``new_tokens`` on an exact cache of the tokens before them + one decode step."""
+    """Floor of one call: the forward of its ``new_tokens`` (the last prompt token included) on an exact cache of
+    the tokens before them (:func:`hf_kvreuse.timing.floor_seconds`)."""
     from transformers import DynamicCache
 
     from .compat import cache_kwargs
@@ -98,7 +107,8 @@ def floor_for(model, turn_ids: torch.Tensor, new_tokens: int) -> float:
     return floor_seconds(model, turn_ids, cache, new_tokens)
 
 
-def run(args) -> dict:
+def run(args, checkpoint=None) -> dict:
+    """Every cell of the bench; ``checkpoint(result)`` is called with the partial result after every question."""
     from tqdm.auto import tqdm
 
     from .session import ReuseSession
@@ -128,8 +138,9 @@ def run(args) -> dict:
                 if args.floor and method.startswith("auto"):
                     for t, d in zip(run_.turns, turns):
                         s = d["stats"]
-                        new = s["prompt_tokens"] - 1 - s["exact_prefix_tokens"] - s["donor_tokens"]
-                        d["floor_s"] = floor_for(model, t.prompt_ids, max(0, new))
+                        # the floor prefills what no held cache had: not the rows repair= recomputes
+                        repaired = (s.get("cache_stats") or {}).get("repaired_tokens", 0)
+                        d["floor_s"] = floor_for(model, t.prompt_ids, s["new_tokens"] - repaired)
                         d["ttft_over_floor"] = s["ttft_s"] / d["floor_s"]
                 rec = dict(workflow=shape, context_tokens=ctx, question=q, method=method, final=run_.final,
                            correct=contains_answer(run_.final, item.answers), judge_choice=run_.judge_choice,
@@ -137,7 +148,6 @@ def run(args) -> dict:
                 records.append(rec)
                 bar.update(1)
             ref = next(r for r in records[-len(methods):] if r["method"] == "full")
-            partial = Path(args.out) / "bench.partial.json"  # a stopped run keeps every finished question
             for r in records[-len(methods):]:
                 r["agrees"] = normalize_answer(r["final"]) == normalize_answer(ref["final"])
                 r["judge_agrees"] = r["judge_choice"] == ref["judge_choice"] if shape == "judge" else None
@@ -145,10 +155,11 @@ def run(args) -> dict:
                 for t, tf in zip(r["turns"], ref["turns"]):
                     t["ttft_ratio"] = t["draft_ttft_s"] / tf["stats"]["ttft_s"]
                     t["first_verified_ratio"] = t["stats"]["ttft_s"] / tf["stats"]["ttft_s"]
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(dict(config=vars(args), records=records), default=str))
+            if checkpoint is not None:  # bench.json rewritten: a stopped run keeps every finished question
+                checkpoint(dict(config=vars(args), complete=False, summary=summarize(records, methods),
+                                records=records))
     bar.close()
-    return dict(config=vars(args), summary=summarize(records, methods), records=records)
+    return dict(config=vars(args), complete=True, summary=summarize(records, methods), records=records)
 
 
 def summarize(records: list[dict], methods: list[str]) -> list[dict]:
@@ -189,9 +200,18 @@ def summarize(records: list[dict], methods: list[str]) -> list[dict]:
     return rows
 
 
-def write(result: dict, out: Path) -> None:
+def write_json(result: dict, out: Path) -> None:
+    """``out/bench.json``, replaced atomically (a reader or a stopped run never sees half a file)."""
+    import os
+
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
+    tmp = out / f".bench.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, out / "bench.json")
+
+
+def write(result: dict, out: Path) -> None:
+    write_json(result, out)
     rows = result["summary"]
     cols = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
     with open(out / "bench.csv", "w", newline="") as f:
@@ -292,31 +312,63 @@ def _csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
 
 
+def _model_arg(value: str) -> str:
+    if value in MODELS or Path(value).is_dir():
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither one of {', '.join(MODELS)} nor a folder")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-kvreuse`` argument parser (every option has its help text: ``hf-kvreuse bench --help``)."""
+    from .session import MODES
+    from .workflows.graphs import SHAPES
+
+    runnable = [p for p in MODES if p not in ("translated", "base_lr")]
+    p = argparse.ArgumentParser(prog="hf-kvreuse", description="hf_kvreuse command line: benchmark ReuseSession "
+                                "policies on multi-agent workflows over SQuAD documents, and merge runs.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="workflows x methods x context sizes, side by side in one run",
+                       description="Run every workflow shape x context size x question once per method, each "
+                       "through a fresh ReuseSession, full prefill first (the reference). Writes OUT/bench.json "
+                       "after every question (a stopped run keeps what it measured), then bench.csv and plots.")
+    b.add_argument("--model", default="smollm2", type=_model_arg, metavar="MODEL",
+                   help=f"an offline model ({', '.join(MODELS)}), or a local transformers model folder "
+                   "(config.json, weights and a tokenizer with a chat template, as save_pretrained writes)")
+    b.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32", "auto"),
+                   help="weights and K/V dtype; default: fp32 for smollm2, bf16 for the Qwen models, 'auto' (the "
+                   "dtype its config records) for a folder")
+    b.add_argument("--workflows", type=_csv(str), default=["fully_connected"], metavar="SHAPES",
+                   help=f"comma-separated workflow shapes: {', '.join(SHAPES)}")
+    b.add_argument("--methods", type=_csv(str), default=["full", "prefix", "auto"], metavar="METHODS",
+                   help=f"comma-separated session policies or named modes ({', '.join(runnable)}; "
+                   "hf_kvreuse.session.MODES); full always runs first")
+    b.add_argument("--context-tokens", type=_csv(int), default=[1000], metavar="N[,N...]",
+                   help="document sizes in tokens (SQuAD passages of one article joined to about this size)")
+    b.add_argument("--n", type=int, default=5, help="questions per cell")
+    b.add_argument("--rounds", type=int, default=3, help="rounds of the round-based shapes (fully_connected, debate)")
+    b.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per agent call (greedy)")
+    b.add_argument("--max-bytes", type=int, default=2 << 30, help="K/V bytes each ReuseSession may hold")
+    b.add_argument("--floor", action="store_true",
+                   help="also time each auto call's floor: prefill of its new tokens on an exact cache (slower)")
+    b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    b.add_argument("--seed", type=int, default=0, help="offset of the first question in the SQuAD file (shards)")
+    b.add_argument("--out", default="bench_results", help="output folder (bench.json, bench.csv, plots)")
+    mg = sub.add_parser("merge", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        help="join bench.json files of one configuration run over different questions",
+                        description="Join bench.json files of one configuration run over different questions "
+                        "(e.g. --seed shards run in parallel) into one summary.")
+    mg.add_argument("files", nargs="+", help="bench.json files to join")
+    mg.add_argument("--out", required=True, help="output folder of the merged bench.json, bench.csv and plots")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     from .session import MODES
     from .workflows.graphs import SHAPES
 
-    p = argparse.ArgumentParser(prog="hf-kvreuse", description="hf_kvreuse command line")
-    sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="workflows x methods x context sizes, side by side (see module docstring)")
-    b.add_argument("--model", default="smollm2", choices=MODELS)
-    b.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
-                   help="default: fp32 for smollm2, bf16 for the Qwen models")
-    b.add_argument("--workflows", type=_csv(str), default=["fully_connected"])
-    b.add_argument("--methods", type=_csv(str), default=["full", "prefix", "auto"])
-    b.add_argument("--context-tokens", type=_csv(int), default=[1000])
-    b.add_argument("--n", type=int, default=5, help="questions per cell")
-    b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--max-new-tokens", type=int, default=24)
-    b.add_argument("--max-bytes", type=int, default=2 << 30)
-    b.add_argument("--floor", action="store_true", help="also time each auto call's floor (slower)")
-    b.add_argument("--threads", type=int, default=0)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", default="bench_results")
-    mg = sub.add_parser("merge", help="join bench.json files of one configuration run over different questions")
-    mg.add_argument("files", nargs="+")
-    mg.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "merge":
         print_summary(merge(args.files, Path(args.out))["summary"])
         return 0
@@ -328,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workflows:
         if w not in SHAPES:
             raise SystemExit(f"--workflows: {w!r} is not one of {SHAPES}")
-    args.dtype = args.dtype or ("fp32" if args.model == "smollm2" else "bf16")
+    if args.dtype is None:
+        args.dtype = "fp32" if args.model == "smollm2" else "bf16" if args.model in MODELS else "auto"
+    out = Path(args.out)
     t0 = time.perf_counter()
-    result = run(args)
+    result = run(args, checkpoint=lambda partial: write_json(dict(partial, wall_s=time.perf_counter() - t0), out))
     result["wall_s"] = time.perf_counter() - t0
-    write(result, Path(args.out))
+    write(result, out)
     print_summary(result["summary"])
     print(f"wrote {args.out}/bench.json, bench.csv, ttft.png, accuracy_vs_ttft.png, timelines.png")
     return 0

@@ -38,6 +38,7 @@ from .alignment import Alignment, align_multi
 from .compat import CACHE_KW, CACHE_NAMES
 from .devices import input_device, offloaded
 from .generation.options import call_options
+from .inputs import prompt_ids
 from .kv import KV, kv_of, load_kv
 from .timing import TokenTimer, synchronize
 
@@ -60,7 +61,49 @@ MODES: dict[str, dict] = {
 
 @dataclass
 class SessionStats:
-    """One :meth:`ReuseSession.generate` call (times in seconds, token counts of the prompt unless named)."""
+    """One :meth:`ReuseSession.generate` call (times in seconds, token counts of the prompt unless named).
+
+    Attributes
+    ----------
+    policy : str
+        The policy asked for.
+    method : str
+        What ran: ``full``, ``prefix``, ``optimistic``, ``direct``, ``blend``, ... (``auto`` picks one).
+    agent : str or None
+        The ``agent=`` of the call.
+    prompt_tokens : int
+        Tokens of the prompt.
+    exact_prefix_tokens : int
+        Prompt rows reused as they are from an exact held cache of the same weights.
+    donor_tokens : int
+        Prompt rows taken from held caches at other positions (re-positioned with RoPE) and kept; rows that
+        ``repair=`` recomputed count in ``new_tokens`` instead.
+    donor_calls : int
+        Held caches those rows came from.
+    new_tokens : int
+        Prompt tokens whose K/V the call computed before the first token, the last prompt token included
+        (``generate`` always feeds it), so ``exact_prefix_tokens + donor_tokens + new_tokens == prompt_tokens``.
+        One exception: ``optimistic`` with ``max_optimistic_tokens=0`` runs the exact prefill before the first
+        token, and ``new_tokens`` counts those rows, while ``donor_tokens`` still counts what the held caches
+        offered. The same count as ``OptimisticStats.new_tokens`` and ``TurnStats.prefill_tokens``; block methods
+        also recompute repaired rows (``cache_stats["recomputed_tokens"]``).
+    background_tokens : int
+        Rows the exact background prefill computed (``optimistic``), after the first token.
+    generated_tokens : int
+        Tokens generated.
+    ttft_s, total_s : float or None
+        Time to the first and to the last generated token.
+    exact : bool
+        Every prompt row of the kept cache is the model's exact K/V (the cache may then serve as an exact prefix).
+    stored : bool
+        The call's cache is now held by the session.
+    evicted : int
+        Held caches evicted after this call (LRU, to stay under ``max_bytes``).
+    held_bytes : int
+        ``session.nbytes`` after the call.
+    cache_stats : dict or None
+        The method cache's own stats (``cache.stats.as_dict()``).
+    """
 
     policy: str                      # the policy asked for
     method: str                      # what ran: full | prefix | optimistic | direct | blend | ...
@@ -82,6 +125,11 @@ class SessionStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def __repr__(self) -> str:
+        from .reprs import stats_repr
+
+        return stats_repr(self)
 
 
 @dataclass
@@ -255,6 +303,31 @@ class ReuseSession:
             self._entries.clear()
             self._trajectory = None
 
+    def hold(self, ids, kv: KV, exact: bool, agent: str | None = None) -> None:
+        """Hold K/V computed elsewhere (e.g. a vLLM engine, through :mod:`hf_kvreuse.vllm.hf`) as a cache of ``ids``.
+
+        The caller vouches that this session's model computed them (:func:`hf_kvreuse.vllm.hf.to_session` checks
+        the store's model identity first); ``exact``: rows are what a plain prefill of ``ids`` computes (exact
+        prefixes), otherwise they serve as re-positioned donors only. Full-attention models only.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+        if any(self._windows):
+            raise ValueError("hold() takes full-attention K/V; this model has sliding-window layers")
+        if len(kv) != len(self._windows) or any(k.shape[-2] != ids.numel() for k, _ in kv):
+            raise ValueError(f"hold(): {len(kv)} layers of K/V for {ids.numel()} tokens do not match the model's "
+                             f"{len(self._windows)} layers")
+        from .fingerprint import model_fingerprint
+
+        with self._lock, self._state:
+            entry = _Entry(ids=ids, kv=kv, exact=bool(exact), agent=agent, nbytes=_storage_bytes(kv),
+                           producer=model_fingerprint(self.model))
+            if entry.nbytes > self.max_bytes:
+                raise ValueError(f"{entry.nbytes} bytes of K/V exceed the session's max_bytes={self.max_bytes}")
+            self._entries[self._next_key] = entry
+            self._next_key += 1
+            while self.nbytes > self.max_bytes:
+                self._entries.popitem(last=False)
+
     def held(self) -> list[dict]:
         """One row per held cache, least recently used first: tokens, exact, agent, bytes."""
         with self._state:
@@ -309,11 +382,7 @@ class ReuseSession:
         return out
 
     def _check_ids(self, input_ids, kwargs: dict) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(f"ReuseSession serves one prompt per call; got input_ids of shape {tuple(ids.shape)}")
+        ids = prompt_ids(input_ids, "input_ids", kwargs.get("attention_mask"))  # a BatchEncoding too
         if ids.shape[1] < 2:
             raise ValueError("ReuseSession needs a prompt of at least 2 tokens")
         mask = kwargs.get("attention_mask")
@@ -380,6 +449,8 @@ class ReuseSession:
         if method == "optimistic":
             stats.exact = bool(cache.stats.exact)
             stats.background_tokens = cache.stats.background_tokens
+            stats.new_tokens = cache.stats.new_tokens  # one count: what the cache computed before the first token
+            stats.donor_tokens -= cache.stats.repaired_tokens  # repair= recomputed those donor rows: new, not reused
         elif method not in ("full", "prefix"):
             stats.exact = False
         with self._state:
@@ -526,3 +597,24 @@ class ReuseSession:
             self._entries.popitem(last=False)
             stats.evicted += 1
         stats.held_bytes = self.nbytes
+
+    # -- reading, saving and loading -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        from .reprs import session_repr
+
+        return session_repr(self)
+
+    def save(self, path, **kwargs) -> dict:
+        """Write the held caches to the folder ``path`` (safetensors + JSON):
+        :func:`hf_kvreuse.persist.save_session`."""
+        from .persist import save_session
+
+        return save_session(self, path, **kwargs)
+
+    @classmethod
+    def load(cls, path, model, **kwargs) -> "ReuseSession":
+        """A session holding the caches saved in ``path``, verified against ``model``:
+        :func:`hf_kvreuse.persist.load_session`."""
+        from .persist import load_session
+
+        return load_session(path, model, session_cls=cls, **kwargs)

@@ -31,20 +31,26 @@ def now(device: torch.device | str | None = None) -> float:
 
 
 def floor_seconds(model, ids: torch.Tensor, exact_cache, new_tokens: int) -> float:
-    """The TTFT floor of a reuse method: prefill of the last ``new_tokens`` covered prompt tokens on an exact cache
-    of the tokens before them, plus one decode step (synchronised). ``exact_cache`` holds the exact K/V of at
-    least ``ids[:, :-1 - new_tokens]`` (it is copied, never modified)."""
+    """The TTFT floor of a reuse method: the forward of the last ``new_tokens`` prompt tokens on an exact cache of
+    the tokens before them, done as prefill of all but the last one plus one decode step (synchronised).
+
+    ``new_tokens`` counts as every stats object of the package does (``SessionStats.new_tokens``,
+    ``OptimisticStats.new_tokens``): the prompt tokens computed before the first token, the last prompt token
+    included (``generate`` always feeds it), so it is at least 1. ``exact_cache`` holds the exact K/V of at least
+    ``ids[:, :-new_tokens]`` (it is copied, never modified)."""
     from .compat import cache_kwargs
     from .kv import dynamic_cache_from_kv, slice_kv
 
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}: the last prompt token is always computed (new_tokens >= 1)")
     covered = ids.shape[1] - 1
-    start = covered - new_tokens
+    start = covered - (new_tokens - 1)
     cache = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in slice_kv(exact_cache, slice(0, start))],
                                   model.config)
     dev = ids.device
     with torch.no_grad():
         t0 = now(dev)
-        if new_tokens:
+        if start < covered:
             model(ids[:, start:covered], position_ids=torch.arange(start, covered, device=dev)[None],
                   logits_to_keep=1, **cache_kwargs(cache))
         model(ids[:, covered:], position_ids=torch.tensor([[covered]], device=dev), logits_to_keep=1,

@@ -211,8 +211,8 @@ def test_save_load_and_refusals(model, tmp_path):
         LatentBridge.from_pretrained(other)
     pa, pb, blk, q = _parts(5)
     ids = torch.cat([pb, blk, q], 1)
-    with pytest.raises(ValueError, match="prefix"):
-        LatentRemedyCache(model, ids, [(0, 20)], bridge=_bridge(model, 0))
+    with pytest.raises(ValueError, match="another prefix"):  # a block at 0 that is not the agent's own prefix
+        LatentRemedyCache(model, ids, [(0, 20)], bridge=_bridge(model, 0), block_prefix_ids=pa[0])
     with pytest.raises(TypeError, match="LatentBridge"):
         LatentRemedyCache(model, ids, [(9, 39)], bridge="b")
     with pytest.raises(ValueError, match="hidden size"):
@@ -276,5 +276,203 @@ def test_trainer_checkpoint_resumes_exactly(tmp_path):
     step(b, opt_b)
     for pa_, pb_ in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa_, pb_, atol=1e-6, rtol=1e-6)
+    for p in m.parameters():
+        p.requires_grad_(True)
+
+
+# -- issue 25: batched student, data at scale, leading own-prefix block, latents + Tail-k, richer read-outs ------
+def _example_pair(model, seed, read_layers=(-1,)):
+    pa, pb, blk, q = _parts(seed)
+    ids = torch.cat([pb, blk, q], 1)
+    return make_example(model, ids, (9, 39), pa[0], n_answer=3, top_k=16, read_layers=read_layers)
+
+
+def test_batched_student_equals_each_alone(model):
+    """Examples of different prefix, block and question lengths in one padded forward give the logits each gives
+    alone (with a bridge, with free latents, with tail rows). Planted bug: the left padding of the cached rows
+    left unmasked (`mask[i, C - c:]` -> `mask[i, :]`) -> the shorter example's logits differ."""
+    from hf_kvreuse.latent.train import student_logits_batch
+
+    g = torch.Generator().manual_seed(11)
+    exs = []
+    for i, (lp, lb, lq) in enumerate([(6, 30, 7), (11, 22, 4), (4, 40, 9)]):
+        pa, pb, blk, q = [torch.randint(3, 128, (1, n), generator=g) for n in (5, lp, lb, lq)]
+        ids = torch.cat([pb, blk, q], 1)
+        exs.append(make_example(model, ids, (lp, lp + lb), pa[0], n_answer=3, top_k=8))
+    bridge = _bridge(model, 3)
+    with torch.no_grad():
+        z = torch.randn(3, 3, model.config.hidden_size) * 0.1
+        for kw in ({}, {"tail_k": 4}, {"z": z}):
+            both = student_logits_batch(model, bridge, exs, **kw)
+            for i, ex in enumerate(exs):
+                one_kw = {**kw, "z": kw["z"][i:i + 1]} if "z" in kw else kw
+                alone = student_logits_batch(model, bridge, [ex], **one_kw)[0]
+                torch.testing.assert_close(both[i], alone, atol=2e-4, rtol=2e-4)
+
+
+def test_two_forward_examples_match_the_caches_assembly():
+    """The data module's examples (two full forwards per record, the donor block RoPE-moved) equal the trainer's
+    examples built through the cache's own assembly: K/V, ids, teacher targets, prefix hidden states. Planted
+    bug: the donor block moved by `ds - s` instead of `s - ds` -> K differs."""
+    from hf_kvreuse.latent.data import example_from_parts, teacher_side
+    from hf_kvreuse.rope import RopeShifter
+
+    m = enable(tiny_model("qwen2", seed=9))
+    pa, pb, blk, q = _parts(30)
+    ia, ib = torch.cat([pa, blk, q], 1)[0].tolist(), torch.cat([pb, blk, q], 1)[0].tolist()
+    layers = (-1, 1)
+    sa = teacher_side(m, ia, (6, 36), n_answer=3, top_k=8, read_layers=layers)
+    sb = teacher_side(m, ib, (9, 39), n_answer=3, top_k=8, read_layers=layers)
+    got = example_from_parts(RopeShifter(m), sb, sa, read_layers=layers)
+    want = make_example(m, torch.tensor([ib]), (9, 39), torch.tensor(ia[:6]), n_answer=3, top_k=8,
+                        read_layers=layers)
+    assert got.e == want.e and got.first == want.first and torch.equal(got.ids, want.ids)
+    assert torch.equal(got.top_idx, want.top_idx)
+    torch.testing.assert_close(got.top_logp, want.top_logp, atol=1e-3, rtol=1e-3)
+    for (k, v), (wk, wv) in zip(got.kv, want.kv):
+        torch.testing.assert_close(k, wk, atol=2e-3, rtol=2e-3)  # float16 storage of the teacher's K/V
+        torch.testing.assert_close(v, wv, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got.feats.float(), want.feats.float(), atol=5e-3, rtol=5e-3)
+
+
+@needs_offset
+def test_leading_own_prefix_block(model):
+    """The agent's own prefix as a block at token 0 (computed standalone: exact) gives what computing the prefix
+    gives, and the second call with the same store reads the bridge's read-out from the chunk (no prefix row
+    computed again). Planted bug: the leading block's last row not read from the stored read-out
+    (`from_store = want < lead_end - 1`) -> the second call computes it again (recomputed_tokens)."""
+    pa, pb, blk, q = _parts(40)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _bridge(model, 3)
+    store = ChunkStore()
+    ref = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, store=store,
+                                             block_prefix_ids=pa[0]))
+    prefixes = [None, pa[0]]
+    outs = []
+    for call in range(2):
+        c = LatentRemedyCache(model, ids, [(0, 9), (9, 39)], bridge=bridge, store=store, block_prefix_ids=prefixes)
+        outs.append(_gen(model, ids, c))
+        assert c.lead == (0, 9) and c.n_latent == 3
+        # the question rows (generate feeds the last prompt token); the first call also the prefix's last row
+        assert c.stats.recomputed_tokens == ids.shape[1] - 1 - 39 + (1 - call)
+    for out in outs:
+        assert torch.equal(out.sequences, ref.sequences)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+    # a prompt whose only block is its own prefix has nothing to remedy: exact prefix reuse, no latents
+    only = LatentRemedyCache(model, ids, [(0, 9)], bridge=bridge, store=store)
+    plain = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    got = _gen(model, ids, only)
+    assert only.n_latent == 0 and torch.equal(got.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(plain.logits), atol=1e-4, rtol=1e-4)
+
+
+@needs_offset
+def test_latents_plus_tail_match_trainer_and_tail_baseline(model):
+    """Latents plus Tail-k: the cache's first-token logits equal the trainer's student with `tail_k`; with no
+    latents it equals TailRecomputeCache. Planted bug: the tail rows left out of the latent pass (`rows` without
+    `tails`) -> both comparisons fail."""
+    from hf_kvreuse import TailRecomputeCache
+    from hf_kvreuse.latent.train import student_logits
+
+    pa, pb, blk, q = _parts(41)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _bridge(model, 4)
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=2, top_k=8)
+    with torch.no_grad():
+        s = student_logits(model, bridge, ex, tail_k=6)
+    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0],
+                                             tail_tokens=6), new=1)
+    torch.testing.assert_close(s[0], out.logits[0][0], atol=2e-4, rtol=2e-4)
+    store = ChunkStore()
+    ref = _gen(model, ids, TailRecomputeCache(model, ids, [(9, 39)], store=store, block_prefix_ids=pa[0],
+                                              recompute_tokens=6))
+    got = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=_bridge(model, 0), store=store,
+                                             block_prefix_ids=pa[0], tail_tokens=6))
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+
+
+@needs_offset
+def test_multi_layer_attention_pooled_bridge(model):
+    """A bridge reading two layers, last row plus attention pooling over every prefix row: with the block under its
+    own prefix (exact K/V) the cache equals the model's own forward over [prefix+block, latents, question] with the
+    latents made from the model's own hidden states of the prefix; and the trainer's student (features from the
+    stored hidden states) equals the cache. Planted bug: the pooling run over the prefix and the block rows
+    (`want = arange(e)`) -> the first comparison fails."""
+    from hf_kvreuse.latent.train import student_logits
+
+    torch.manual_seed(3)
+    bridge = LatentBridge(model, n_latent=3, hidden=16, layers=(-1, 1), read="attn")
+    with torch.no_grad():
+        for p in list(bridge.mlp.parameters()) + [bridge.query]:
+            p.normal_(0, 0.3)
+    pa, pb, blk, q = _parts(42)
+    ids = torch.cat([pb, blk, q], 1)
+    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids="own"), new=3)
+    gen = out.sequences[:, ids.shape[1]:]
+    with torch.no_grad():
+        hs = model(input_ids=ids[:, :9], output_hidden_states=True).hidden_states
+        z = bridge([torch.stack([hs[-1][0], hs[2][0]])])  # layer -1 (final norm), layer 1
+    want, _ = _manual_logits(model, ids, 39, z, gen)
+    torch.testing.assert_close(torch.stack(out.logits)[:, 0], want, atol=2e-4, rtol=2e-4)
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=2, top_k=8, read_layers=(1, -1))
+    with torch.no_grad():
+        s = student_logits(model, bridge, ex)
+    got = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0]), new=1)
+    torch.testing.assert_close(s[0], got.logits[0][0], atol=2e-4, rtol=2e-4)
+
+
+def test_staged_training_runs_all_stages_and_resumes(tmp_path):
+    """Stage 1 (free latents) lowers each example's loss, stage 2 regresses, stage 3 distils; a rerun with a larger
+    step limit resumes from state.json (the step count continues). Planted bug: stage 1's optimiser given the
+    bridge's parameters instead of the free latents -> the free latents do not lower the loss."""
+    from hf_kvreuse.latent.train import TrainConfig, train_staged
+
+    m = enable(tiny_model("qwen2", seed=3))
+    exs = [_example_pair(m, 50 + i) for i in range(4)]
+    cfg = TrainConfig(n_latent=2, hidden=16, batch=2, stage1_examples=4, stage1_steps=8, stage1_lr=5e-2,
+                      stage2_steps=20, budget_cpu_s=1e9, max_steps=2, save_every=1)
+    train_staged(m, exs, tmp_path, cfg, progress=False)
+    import json
+
+    st = json.loads((tmp_path / "state.json").read_text())
+    assert st["stage"] == 3 and st["step"] == 2 and len(st["stage1"]) == 4
+    assert all(after < before for before, after in st["stage1"])
+    assert st["stage2"][-1] < st["stage2"][0]
+    cfg.max_steps = 3
+    train_staged(m, exs, tmp_path, cfg, progress=False)
+    assert json.loads((tmp_path / "state.json").read_text())["step"] == 3
+    for p in m.parameters():
+        p.requires_grad_(True)
+
+
+def test_train_command_evaluates_every_variant_per_example(tmp_path):
+    """``python -m hf_kvreuse.latent.train --dev DIR --compare NAME=PATH`` (its :func:`run`) on shards written by
+    the data module: per example and variant rows, direct reuse re-evaluated equals what the shard stored, a bridge
+    compared from its saved checkpoint equals the trained one, Tail-k is a variant of its own. Planted bug:
+    `evaluate_rows` of direct reuse given the Tail-k (`tail_k=tail_k` for every variant) -> reuse rows differ from
+    the stored screen."""
+    import json
+
+    from hf_kvreuse.latent.data import reuse_agreement, save_shard
+    from hf_kvreuse.latent.train import run
+
+    m = enable(tiny_model("qwen2", seed=3))
+    exs = [_example_pair(m, 70 + i) for i in range(4)]
+    for i, (ex, ag) in enumerate(zip(exs, reuse_agreement(m, exs))):
+        ex.meta = {"family": "fam", "record": i, "direction": "a->b", "full_ok": True, "reuse_agree": ag}
+    save_shard(tmp_path / "train" / "fam_0-00000", exs)
+    save_shard(tmp_path / "dev" / "fam_7-00000", exs)
+    out, result = tmp_path / "run", tmp_path / "res.json"
+    res = run(["--data", str(tmp_path / "train"), "--dev", str(tmp_path / "dev"), "--out", str(out),
+               "--n-latent", "2", "--hidden", "8", "--batch", "2", "--max-steps", "1", "--baseline-tail", "8",
+               "--compare", f"same={out}", "--result", str(result)], model=m)
+    rows = res["dev_rows"]
+    assert set(rows) == {"bridge", "reuse", "tail8", "same"} and all(len(r) == 4 for r in rows.values())
+    assert [r["ok"] for r in rows["reuse"]] == [r["reuse_ok"] for r in rows["reuse"]]
+    assert [r["kl"] for r in rows["same"]] == [r["kl"] for r in rows["bridge"]]
+    assert [r["kl"] for r in rows["tail8"]] != [r["kl"] for r in rows["reuse"]]
+    saved = json.loads(result.read_text())
+    assert saved["command"].startswith("python -m hf_kvreuse.latent.train") and saved["bridge"]["step"] == 1
+    assert saved["dev_variants"]["reuse"]["all"]["acc"] == saved["dev"]["all"]["reuse_acc"]
     for p in m.parameters():
         p.requires_grad_(True)

@@ -303,14 +303,16 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
     def finish(self, input_ids: torch.Tensor | None, error: BaseException | None) -> None:
         """Called once when ``generate`` returns or raises (``input_ids``: final sequences, if known)."""
 
+    def __repr__(self) -> str:
+        """Method, phase, tokens held, prompt length, layers, K/V bytes and the headline stats, on one line."""
+        from ..reprs import cache_repr
+
+        return cache_repr(self)
+
 
 def as_batch1(ids, name: str) -> torch.Tensor:
-    """``ids`` as a ``[1, T]`` LongTensor, or a clear error for batched / padded input."""
-    if not isinstance(ids, torch.Tensor):
-        ids = torch.as_tensor(ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"{name} must be one sequence ([1, T]); batched or padded inputs are not supported "
-                         f"yet (got shape {tuple(ids.shape)})")
-    return ids
+    """``ids`` as a ``[1, T]`` LongTensor, or a clear error for batched / padded input (a tokenizer's
+    ``BatchEncoding`` is accepted: :func:`hf_kvreuse.inputs.prompt_ids`)."""
+    from ..inputs import prompt_ids
+
+    return prompt_ids(ids, name)

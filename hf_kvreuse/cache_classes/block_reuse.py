@@ -20,6 +20,7 @@ from ..chunk_store import ChunkStore, KVChunk, model_fingerprint
 from ..devices import layer_devices
 from ..generation.partial import partial_forward
 from ..kv import KV, alloc_layer, copy_shifted_, load_kv
+from ..reprs import stats_repr
 from ..rope import RopeShifter
 from ..timing import now
 from .base import KVReuseCache
@@ -27,6 +28,29 @@ from .base import KVReuseCache
 
 @dataclass
 class BlockReuseStats:
+    """What happened during one ``generate`` with a block-reuse cache (Direct, Blend, EPIC, Tail, Offset).
+
+    Row counts are over the prompt's first ``N - 1`` rows, which the cache assembles; the last prompt token is
+    fed by ``generate`` itself and counted in neither (``reused_tokens + recomputed_tokens == N - 1``).
+
+    Attributes
+    ----------
+    reused_tokens : int
+        Rows whose K/V came from blocks and were kept.
+    recomputed_tokens : int
+        Rows computed: those outside every block plus those the method selected for repair.
+    blocks : int
+        Blocks placed.
+    store_hits, store_misses : int
+        Chunk-store lookups of this call that found / did not find the block (a miss computes it).
+    assemble_s : float or None
+        Block lookup, re-positioning and recompute, before the first decoding forward (seconds).
+    kernels : str
+        Backend of the hot paths: ``"torch"`` or ``"triton"`` (``HF_KVREUSE_KERNELS``).
+    """
+
+    __repr__ = stats_repr
+
     reused_tokens: int = 0        # prompt tokens whose K/V came from blocks and were kept
     recomputed_tokens: int = 0    # prompt tokens computed (rows outside blocks + rows selected for repair)
     blocks: int = 0

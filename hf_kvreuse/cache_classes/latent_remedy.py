@@ -33,6 +33,18 @@ from .block_reuse import BlockReuseCache, BlockReuseStats
 
 @dataclass
 class LatentRemedyStats(BlockReuseStats):
+    """:class:`BlockReuseStats` of a :class:`LatentRemedyCache` call, plus the latents.
+
+    Attributes
+    ----------
+    latent_tokens : int
+        Latent embeddings placed after the reused block (0: direct reuse).
+    bridge_s : float
+        The bridge MLP and the one pass over the latents and the rows after them (seconds).
+    """
+
+    __repr__ = BlockReuseStats.__repr__
+
     latent_tokens: int = 0
     bridge_s: float = 0.0  # the bridge MLP and the one pass over the latents and the rows after them
 
@@ -43,15 +55,25 @@ class LatentRemedyCache(BlockReuseCache):
     Parameters
     ----------
     model, input_ids, blocks, store, block_prefix_ids
-        As for :class:`~hf_kvreuse.cache_classes.block_reuse.BlockReuseCache`; the first block must start after
-        at least one prefix token (the target's own instructions, whose last hidden state drives the bridge).
+        As for :class:`~hf_kvreuse.cache_classes.block_reuse.BlockReuseCache`. The prompt starts with the target's
+        own prefix (its instructions, whose hidden states drive the bridge): either computed, or given as a block
+        at token 0 whose K/V were computed standalone (no ``block_prefix_ids`` for it), i.e. exactly the agent's
+        own prefix as a chunk store or a :class:`~hf_kvreuse.session.ReuseSession` holds it. The bridge's
+        read-out of such a leading block is kept with its chunk (``KVChunk.extra``), so a later call with the
+        same prefix runs one pass over the latents and the question. A block at 0 computed under some other
+        prefix is refused (there is no own prefix then); a prompt whose only block is its own leading prefix has
+        nothing to remedy and gets no latents (exact prefix reuse).
     bridge : LatentBridge, optional
         Default: the shipped checkpoint for this model (:meth:`LatentBridge.from_pretrained`).
+    tail_tokens : int, optional
+        Latents plus Tail-k: the last ``k`` rows of every reused block are recomputed too, in the same pass as the
+        latents and the question. Default: the value the bridge was trained with (``bridge.tail_tokens``).
     """
 
     requires = {"rope": True, "engine": True, "layers": True}
 
-    def __init__(self, model, input_ids, blocks, bridge=None, store=None, block_prefix_ids=None):
+    def __init__(self, model, input_ids, blocks, bridge=None, store=None, block_prefix_ids=None,
+                 tail_tokens: int | None = None):
         from ..compat import HAS_QUERY_OFFSET, TRANSFORMERS_VERSION
         from ..latent.bridge import LatentBridge
 
@@ -67,14 +89,24 @@ class LatentRemedyCache(BlockReuseCache):
                 f"LatentRemedyCache holds {bridge.n_latent} latent entries that are not prompt tokens; sizing the "
                 f"causal mask for them needs transformers>=5.17 (Cache.get_query_offset), this is "
                 f"{'.'.join(map(str, TRANSFORMERS_VERSION))}")
+        tail_tokens = bridge.tail_tokens if tail_tokens is None else int(tail_tokens)
+        if tail_tokens < 0:
+            raise ValueError("tail_tokens must be >= 0")
         super().__init__(model, input_ids, blocks, store, block_prefix_ids)
         if not self.blocks:
             raise ValueError("LatentRemedyCache needs at least one reused block")
-        if self.blocks[0][0] < 1:
-            raise ValueError("the first block starts at token 0: LatentRemedy needs the target's own prefix before "
-                             "the reused block (its last hidden state drives the latents)")
+        self.lead: tuple[int, int] | None = None
+        if self.blocks[0][0] == 0:
+            own = self.prefix_for(0)
+            if own is not None and torch.as_tensor(own).numel():
+                raise ValueError("the first block starts at token 0 and was computed under another prefix: "
+                                 "LatentRemedy needs the target's own prefix before the reused block (its hidden "
+                                 "states drive the latents)")
+            self.lead = self.blocks[0]  # the agent's own prefix, exact K/V from the store
+        self.reused = self.blocks[1:] if self.lead else list(self.blocks)
         self.bridge = bridge
-        self.n_latent = bridge.n_latent
+        self.tail_tokens = tail_tokens
+        self.n_latent = bridge.n_latent if self.reused else 0
         self.stats = LatentRemedyStats(blocks=len(self.blocks), latent_tokens=self.n_latent)
         self._latents_at: int | None = None
 
@@ -90,41 +122,87 @@ class LatentRemedyCache(BlockReuseCache):
             covered = kv[0][0].shape[-2]
             fresh = self.fresh_rows(covered)
             e = self.blocks[-1][1]
+            tails = self.tail_rows().to(fresh.device)
             pre, post = fresh[fresh < e].to(device), fresh[fresh >= e].to(device)
             ids = self.input_ids[:, :covered]
-            h = self.prefix_hidden(ids, pre, kv)
+            feats = None
+            if self.n_latent:
+                feats = self.prefix_features(ids, pre, kv)
+            elif pre.numel():
+                partial_forward(self.model, ids, pre, kv)
             t1 = now(device)
-            kv = self.insert_latents(kv, ids, e, h, post)
+            kv = self.insert_latents(kv, ids, e, feats, post, tails.to(device))
             t2 = now(device)
         load_kv(self, kv)
         self.logical_offset = -self.n_latent
         self._latents_at = e
         st = self.stats
-        st.recomputed_tokens = int(fresh.numel())
+        st.recomputed_tokens = int(fresh.numel() + tails.numel()) + getattr(self, "_lead_rows_computed", 0)
         st.reused_tokens = covered - st.recomputed_tokens
         st.bridge_s = t2 - t1
         st.assemble_s = now(device) - t0
 
-    def prefix_hidden(self, ids: torch.Tensor, pre: torch.Tensor, kv: KV) -> torch.Tensor:
-        """Compute rows ``pre`` (prefix and gaps) into ``kv``; return ``h`` of the last prefix token ``[1, d]``."""
+    def tail_rows(self) -> torch.Tensor:
+        """The last ``tail_tokens`` rows of every reused block (recomputed with the latents)."""
+        rows = [torch.arange(e - min(self.tail_tokens, e - s), e) for s, e in self.reused]
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+
+    def prefix_features(self, ids: torch.Tensor, pre: torch.Tensor, kv: KV) -> list[torch.Tensor]:
+        """Compute rows ``pre`` (prefix and gaps) into ``kv``; return the bridge's read-out of the prefix (the rows
+        before the first reused block) as a one-element list of ``[len(bridge.layers), T, d]``, ``T`` = 1 (the last
+        row) or every prefix row (``read="attn"``).
+
+        Rows of a leading own-prefix block are computed again only when its chunk does not hold their read-out
+        yet (``KVChunk.extra``); then it does, for the next call."""
+        b = self.bridge
+        s1 = self.reused[0][0]
+        dev = pre.device
+        want = torch.arange(s1, device=dev) if b.all_rows else torch.tensor([s1 - 1], device=dev)
+        lead_end = self.lead[1] if self.lead else 0
+        chunk = self.chunks[self.lead] if self.lead else None
+        key = ("latent_readout", b.layers, b.read)
+        stored = chunk.extra.get(key) if chunk is not None else None  # rows 0..lead_end-1 (or only the last)
+        from_store = want < lead_end if stored is not None else torch.zeros_like(want, dtype=torch.bool)
+        rows = torch.unique(torch.cat([want[~from_store], pre]))  # sorted
+        self._lead_rows_computed = int((rows < lead_end).sum())
+        per_layer = self._read_layers(ids, rows, kv) if rows.numel() else None  # [R, |rows|, d]
+        parts = []
+        if bool(from_store.any()):
+            parts.append(stored.to(dev) if b.all_rows else stored[:, -1:].to(dev))
+        if bool((~from_store).any()):
+            parts.append(per_layer[:, torch.isin(rows, want[~from_store])])
+        if stored is None and chunk is not None and chunk.start == 0 and per_layer is not None:
+            lead_rows = torch.arange(lead_end, device=dev) if b.all_rows else torch.tensor([lead_end - 1], device=dev)
+            if bool(torch.isin(lead_rows, rows).all()):
+                chunk.extra[key] = per_layer[:, torch.isin(rows, lead_rows)].detach().clone()
+        return [torch.cat(parts, 1)]
+
+    def _read_layers(self, ids: torch.Tensor, rows: torch.Tensor, kv: KV) -> torch.Tensor:
+        """Compute ``rows`` through every layer into ``kv``; their hidden states at the bridge's layers."""
         n_layers = len(kv)
-        last = int((pre < self.blocks[0][0]).sum()) - 1  # index in `pre` of the token right before block 1
-        cut = self.bridge.hidden_layer
-        if cut < 0 or cut == n_layers - 1:
-            hidden = partial_forward(self.model, ids, pre, kv, layers=range(n_layers))
-            return hidden[:, last]
-        hidden = partial_forward(self.model, ids, pre, kv, layers=range(0, cut + 1))
-        h = hidden[:, last].clone()
-        partial_forward(self.model, ids, pre, kv, layers=range(cut + 1, n_layers), hidden_states=hidden)
-        return h
+        cuts = sorted({n_layers - 1 if x < 0 else x for x in self.bridge.layers})
+        grabbed, hidden, start = {}, None, 0
+        for cut in cuts:  # the range ending at the last layer applies the final norm (what -1 reads)
+            hidden = partial_forward(self.model, ids, rows, kv, layers=range(start, cut + 1), hidden_states=hidden)
+            grabbed[cut] = hidden[0]
+            start = cut + 1
+        if start < n_layers:
+            partial_forward(self.model, ids, rows, kv, layers=range(start, n_layers), hidden_states=hidden)
+        return torch.stack([grabbed[n_layers - 1 if x < 0 else x] for x in self.bridge.layers])
 
-    def latent_embeddings(self, h: torch.Tensor) -> torch.Tensor:
+    def prefix_hidden(self, ids: torch.Tensor, pre: torch.Tensor, kv: KV) -> torch.Tensor:
+        """Compute rows ``pre`` into ``kv``; ``h`` ``[1, d]``: the last prefix row at the bridge's first layer."""
+        return self.prefix_features(ids, pre, kv)[0][0, -1:]
+
+    def latent_embeddings(self, feats) -> torch.Tensor:
         p = next(self.model.parameters())
-        return self.bridge.to(p.device)(h).to(p.dtype)
+        return self.bridge.to(p.device)(feats).to(p.dtype)
 
-    def insert_latents(self, kv: KV, ids: torch.Tensor, e: int, h: torch.Tensor, post: torch.Tensor) -> KV:
+    def insert_latents(self, kv: KV, ids: torch.Tensor, e: int, feats, post: torch.Tensor,
+                       tails: torch.Tensor | None = None) -> KV:
         """``kv`` with ``n`` latent rows at ``e .. e+n-1`` (the rows from ``e`` on move up by ``n``), computed in one
-        pass together with the rows ``post`` after them (the question), which attend to the latents."""
+        pass together with the recomputed block tails ``tails`` before them and the rows ``post`` after them (the
+        question), which attend to the latents."""
         n = self.n_latent
         if n:
             out = []
@@ -134,14 +212,16 @@ class LatentRemedyCache(BlockReuseCache):
                 out.append((k2, v2))
             kv.clear()
             kv = out
+        tails = post[:0] if tails is None else tails
         ids_ext = torch.cat([ids[:, :e], ids.new_zeros(1, n), ids[:, e:]], dim=1)
-        rows = torch.cat([torch.arange(e, e + n, device=ids.device), post + n])
+        rows = torch.cat([tails, torch.arange(e, e + n, device=ids.device), post + n])
         if rows.numel():
             embed = self.model.get_input_embeddings()
-            hidden = embed(ids_ext[:, post + n])
+            parts = [embed(ids_ext[:, tails])] if tails.numel() else []
             if n:
-                hidden = torch.cat([self.latent_embeddings(h), hidden], dim=1)
-            partial_forward(self.model, ids_ext, rows, kv, layers=range(len(kv)), hidden_states=hidden)
+                parts.append(self.latent_embeddings(feats))
+            parts.append(embed(ids_ext[:, post + n]))
+            partial_forward(self.model, ids_ext, rows, kv, layers=range(len(kv)), hidden_states=torch.cat(parts, 1))
         return kv
 
     # -- decoding at physical positions ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from ..devices import input_device
 from ..generation.partial import partial_forward
 from ..kv import kv_of, load_kv
 from ..model_check import check_donor
+from ..reprs import stats_repr
 from ..rope import RopeShifter
 from ..timing import now
 from ..translation.mapper import KVMapper, run_source
@@ -37,6 +38,33 @@ from .base import KVReuseCache
 
 @dataclass
 class TranslatedStats:
+    """What happened during one ``generate`` with a :class:`TranslatedCache` (times in seconds).
+
+    Attributes
+    ----------
+    prompt_tokens : int
+        Covered prompt rows: all but the last prompt token (which ``generate`` feeds to the target).
+    recomputed_tokens : int
+        Rows the target recomputed through every layer.
+    forced_tokens : int
+        Sinks and suffix among them (always recomputed when ``recompute_ratio > 0``).
+    recompute_ratio : float
+        The ratio asked for.
+    selector : str
+        The scorer that chose the rows.
+    exact_layers : int
+        Leading target layers computed for every row (the first-layer scorer).
+    source_prefill_s, map_s, select_s, recompute_s : float
+        Source prefill; RoPE strip, linear maps and RoPE re-apply (and the scorer's observation); row selection;
+        the target's recompute.
+    assemble_s : float
+        Everything before the target's first decoding forward.
+    kernels : str
+        Backend of the hot paths: ``"torch"`` or ``"triton"`` (``HF_KVREUSE_KERNELS``).
+    """
+
+    __repr__ = stats_repr
+
     prompt_tokens: int = 0          # covered prompt rows (all but the last prompt token)
     recomputed_tokens: int = 0      # rows the target recomputed through every layer
     forced_tokens: int = 0          # sinks + suffix among them

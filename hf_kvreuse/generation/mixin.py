@@ -40,6 +40,7 @@ from transformers import GenerationMixin
 
 from ..compat import CACHE_KW, CACHE_NAMES, find_cache, output_cache, prepare_inputs
 from ..fingerprint import tag_producer
+from ..inputs import unpack_generate_inputs
 from .protocol import ReuseCacheHooks
 
 _ENABLED: dict[type, type] = {}
@@ -113,6 +114,7 @@ class KVReuseGenerationMixin(GenerationMixin):
         if not args and _find_cache(kwargs) is None:
             return self._plain_generate(inputs=inputs, **kwargs)
         kwargs = _bind_generate(self, inputs, args, kwargs)
+        unpack_generate_inputs(kwargs)  # generate(enc, cache=...) with a tokenizer's BatchEncoding
         # either keyword works on every supported release (and spares users a deprecation warning)
         _one_cache_keyword(kwargs)
         cache = _find_cache(kwargs)

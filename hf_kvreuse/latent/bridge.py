@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 FORMAT = "hf_kvreuse.LatentBridge"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # version 1: one layer, last row, no tail
 
 
 class LatentBridgeMismatchError(ValueError):
@@ -32,7 +33,7 @@ class LatentBridgeMismatchError(ValueError):
 
 
 class LatentBridge(nn.Module):
-    """Maps the target prefix's last hidden state to ``n_latent`` input embeddings.
+    """Maps the target prefix's hidden states to ``n_latent`` input embeddings.
 
     Parameters
     ----------
@@ -40,41 +41,97 @@ class LatentBridge(nn.Module):
         The frozen LLM (sizes and the identity checked on load).
     n_latent : int, default=8
     hidden : int, default=256
-        Width of the MLP's hidden layer (the checkpoint is ``~(d + n*d) * hidden`` parameters).
+        Width of the MLP's hidden layer (the checkpoint is ``~(F + n*d) * hidden`` parameters, ``F`` the input).
     hidden_layer : int, default=-1
         Where ``h`` is read: -1 = after the final norm; ``i >= 0`` = the residual stream after decoder layer ``i``.
+    layers : tuple of int, optional
+        Read several layers (each as ``hidden_layer``); their read-outs are concatenated. Default ``(hidden_layer,)``.
+    read : {"last", "attn"}, default="last"
+        ``"last"``: the prefix's last token at each layer; ``"attn"``: that, plus an attention-pooled summary of all
+        the prefix's tokens per layer (one learned query per layer; it starts at zero, i.e. mean pooling).
+    tail_tokens : int, default=0
+        The block rows recomputed with the latents (latents plus Tail-k) this bridge is meant for; the cache's
+        default (:class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` ``tail_tokens=None``).
     """
 
-    def __init__(self, model, n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1):
+    def __init__(self, model, n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1,
+                 layers: tuple[int, ...] | None = None, read: str = "last", tail_tokens: int = 0):
         super().__init__()
         from ..translation.mapper import model_identity
 
-        if n_latent < 0 or hidden < 1:
-            raise ValueError(f"n_latent must be >= 0 and hidden >= 1 (got {n_latent}, {hidden})")
+        if n_latent < 0 or hidden < 1 or tail_tokens < 0:
+            raise ValueError(f"n_latent and tail_tokens must be >= 0 and hidden >= 1 (got {n_latent}, {tail_tokens}, "
+                             f"{hidden})")
         n_layers = model.config.num_hidden_layers
-        if not -1 <= hidden_layer < n_layers:
-            raise ValueError(f"hidden_layer must be -1 or in [0, {n_layers})")
+        layers = tuple(int(x) for x in (layers if layers is not None else (hidden_layer,)))
+        if not layers or any(not -1 <= x < n_layers for x in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"hidden_layer / layers must be distinct values of -1 or [0, {n_layers}), got {layers}")
+        if read not in ("last", "attn"):
+            raise ValueError(f"read must be 'last' or 'attn', got {read!r}")
         d = model.config.hidden_size
-        self.n_latent, self.hidden, self.hidden_layer, self.d = n_latent, hidden, hidden_layer, d
+        self.n_latent, self.hidden, self.d = n_latent, hidden, d
+        self.layers, self.read, self.tail_tokens = layers, read, tail_tokens
+        self.hidden_layer = layers[0]
         self.identity = model_identity(model)
         emb = model.get_input_embeddings().weight.detach().float()
         self.base = nn.Parameter(emb.mean(0).repeat(n_latent, 1).clone())
         self.scale = float(emb.norm(dim=-1).mean())  # typical embedding norm: inputs are normalised by it
-        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, n_latent * d)) if n_latent \
+        f_in = len(layers) * d * (2 if read == "attn" else 1)
+        self.query = nn.Parameter(torch.zeros(len(layers), d)) if read == "attn" else None
+        self.mlp = nn.Sequential(nn.Linear(f_in, hidden), nn.GELU(), nn.Linear(hidden, n_latent * d)) if n_latent \
             else None
         if self.mlp is not None:
             nn.init.zeros_(self.mlp[2].weight)
             nn.init.zeros_(self.mlp[2].bias)
         self.info: dict = {}
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """``h`` ``[B, d]`` -> latent embeddings ``[B, n_latent, d]`` (float32)."""
+    @property
+    def all_rows(self) -> bool:
+        """Whether the read-out needs every prefix row (attention pooling) or only the last one."""
+        return self.read == "attn"
+
+    def _unit(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-6) * (self.d ** 0.5)  # scale-free
+
+    def encode(self, feats: list[torch.Tensor]) -> torch.Tensor:
+        """Per example the prefix hidden states ``[len(layers), T, d]`` at :attr:`layers` (``T`` = all prefix rows,
+        or only the last one for ``read="last"``) -> the MLP input ``[B, F]``."""
+        out = []
+        for f in feats:
+            f = self._unit(f.float())
+            parts = [f[:, -1]]
+            if self.query is not None:
+                w = torch.softmax((f @ self.query[:, :, None])[..., 0] / self.d, dim=-1)  # [R, T]
+                parts.append(self._unit((w[..., None] * f).sum(1)))
+            out.append(torch.cat(parts, 0).reshape(-1))
+        return torch.stack(out)
+
+    def forward(self, h: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """``h`` ``[B, d]`` (the last prefix row at the one read layer) or a list of per-example read-outs as for
+        :meth:`encode` -> latent embeddings ``[B, n_latent, d]`` (float32)."""
+        if isinstance(h, torch.Tensor) and h.dim() == 2:
+            if len(self.layers) != 1 or self.read != "last":
+                raise ValueError("this bridge reads several layers or all prefix rows: pass per-example read-outs")
+            h = [x[None, None] for x in h]
+        x = self.encode(list(h))
         if self.mlp is None:
-            return self.base[None].expand(h.shape[0], 0, self.d)
-        h = h.float()
-        h = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6) * (self.d ** 0.5)  # scale-free input
-        out = self.mlp(h).reshape(h.shape[0], self.n_latent, self.d) * self.scale / (self.d ** 0.5)
+            return self.base[None].expand(x.shape[0], 0, self.d)
+        out = self.mlp(x).reshape(x.shape[0], self.n_latent, self.d) * self.scale / (self.d ** 0.5)
         return self.base[None] + out
+
+    def latents(self, examples) -> torch.Tensor:
+        """Latents of training examples (:class:`~hf_kvreuse.latent.data.Example`, with their stored read-outs)."""
+        feats = []
+        for ex in examples:
+            if ex.feats is None:  # an example made for this bridge's one read-out (train.make_example)
+                if len(self.layers) != 1 or self.all_rows:
+                    raise ValueError(f"the example has no stored hidden states for layers {self.layers}")
+                feats.append(ex.h.float()[None])
+                continue
+            idx = [ex.read_layers.index(x) for x in self.layers]
+            f = ex.feats[idx]
+            feats.append(f if self.all_rows else f[:, -1:])
+        return self(feats)
 
     # -- persistence: safetensors + JSON ----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
@@ -83,7 +140,8 @@ class LatentBridge(nn.Module):
         from ..artifacts import write_artifact
 
         meta = {"format": FORMAT, "version": VERSION, "n_latent": self.n_latent, "hidden": self.hidden,
-                "hidden_layer": self.hidden_layer, "d": self.d, "identity": self.identity, "info": self.info}
+                "hidden_layer": self.hidden_layer, "layers": list(self.layers), "read": self.read,
+                "tail_tokens": self.tail_tokens, "d": self.d, "identity": self.identity, "info": self.info}
         return write_artifact(path, "bridge", {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, meta)
 
     @classmethod
@@ -95,8 +153,8 @@ class LatentBridge(nn.Module):
 
         path = Path(path)
         meta = read_meta(path, "bridge", "LatentBridge")
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ValueError(f"{path}: not a LatentBridge checkpoint of version {VERSION}")
+        if meta.get("format") != FORMAT or meta.get("version") not in READABLE:
+            raise ValueError(f"{path}: not a LatentBridge checkpoint of version {READABLE}")
         got = model_identity(model)
         if meta["identity"] != got:
             what = "architecture/config" if meta["identity"].get("config") != got.get("config") else "weights"
@@ -104,8 +162,13 @@ class LatentBridge(nn.Module):
                 f"this LatentBridge was trained for {_describe(meta['identity'])}; the model given is "
                 f"{_describe(got)} (its {what} differ). Train one for this model with python -m "
                 "hf_kvreuse.latent.train")
-        bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"])
-        state, meta = read_artifact(path, "bridge", "LatentBridge")
+        bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"], meta.get("layers"),
+                     meta.get("read", "last"), meta.get("tail_tokens", 0))
+        state, meta = read_artifact(path, "bridge", "LatentBridge")  # sha256 and finite values verified
+        want = bridge.state_dict()
+        if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
+            raise ValueError(f"{path}: the tensors in bridge.safetensors do not match bridge.json "
+                             f"({sorted(state)} vs {sorted(want)})")
         bridge.load_state_dict({k: v.float() for k, v in state.items()})
         bridge.info = meta.get("info", {})
         return bridge
@@ -129,4 +192,5 @@ class LatentBridge(nn.Module):
         return cls.load(path, model)
 
     def extra_repr(self) -> str:
-        return f"n_latent={self.n_latent}, hidden={self.hidden}, hidden_layer={self.hidden_layer}, d={self.d}"
+        return (f"n_latent={self.n_latent}, hidden={self.hidden}, layers={self.layers}, read={self.read}, "
+                f"tail_tokens={self.tail_tokens}, d={self.d}")

@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -32,19 +34,7 @@ import torch.nn.functional as F
 from ..chunk_store import ChunkStore
 from ..kv import KV
 from .bridge import LatentBridge
-
-
-@dataclass
-class Example:
-    """Constants of one (record, direction): the student's cached prefix+block and the teacher's targets."""
-
-    kv: KV                    # prefix + reused block K/V, rows 0..e-1
-    h: torch.Tensor           # [1, d] the prefix's last hidden state
-    e: int                    # where the latents go
-    tail_ids: torch.Tensor    # [1, m] question (+ assistant header) + teacher answer tokens but the last
-    first: int                # index in tail_ids of the last prompt token (its logits give the first answer token)
-    top_idx: torch.Tensor     # [P, k] teacher top-k token ids at the supervised positions
-    top_logp: torch.Tensor    # [P, k] teacher log-probs there (renormalised over the top-k)
+from .data import Example
 
 
 def build_example(model, tok, record, src: str, tgt: str, n_answer: int, top_k: int, bridge_layer: int,
@@ -60,10 +50,14 @@ def build_example(model, tok, record, src: str, tgt: str, n_answer: int, top_k: 
 
 @torch.no_grad()
 def make_example(model, x: torch.Tensor, span: tuple[int, int], donor_prefix: torch.Tensor, n_answer: int,
-                 top_k: int, bridge_layer: int = -1, store: ChunkStore | None = None) -> Example:
-    """Precompute one example: prompt ``x`` ``[1, N]`` whose block ``span`` is reused from under ``donor_prefix``."""
+                 top_k: int, bridge_layer: int = -1, store: ChunkStore | None = None,
+                 read_layers: tuple[int, ...] | None = None) -> Example:
+    """Precompute one example: prompt ``x`` ``[1, N]`` whose block ``span`` is reused from under ``donor_prefix``,
+    through the cache's own assembly (:class:`LatentRemedyCache`). ``read_layers`` (default ``(bridge_layer,)``):
+    the layers whose hidden states of every prefix row are kept (``Example.feats``)."""
     from ..cache_classes.latent_remedy import LatentRemedyCache
 
+    read_layers = tuple(read_layers) if read_layers is not None else (bridge_layer,)
     # teacher: full prefill + greedy answer
     out = model.generate(x, max_new_tokens=n_answer, do_sample=False, return_dict_in_generate=True,
                          output_logits=True)
@@ -79,8 +73,8 @@ def make_example(model, x: torch.Tensor, span: tuple[int, int], donor_prefix: to
     logp = logits.log_softmax(-1)
     top_logp, top_idx = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     top_logp = top_logp - top_logp.logsumexp(-1, keepdim=True)
-    # student constants: prefix computed, donor block reused (direct reuse), h from the prefix
-    dummy = LatentBridge(model, n_latent=0, hidden_layer=bridge_layer)
+    # student constants: prefix computed, donor block reused (direct reuse), the prefix's hidden states
+    dummy = LatentBridge(model, n_latent=0, layers=read_layers, read="attn")
     cache = LatentRemedyCache(model, x, [span], bridge=dummy, store=store or ChunkStore(),
                               block_prefix_ids=donor_prefix)
     kv = cache.assemble_blocks()
@@ -88,44 +82,112 @@ def make_example(model, x: torch.Tensor, span: tuple[int, int], donor_prefix: to
     e = span[1]
     fresh = cache.fresh_rows(covered)
     pre = fresh[fresh < e]
-    h = cache.prefix_hidden(x[:, :covered], pre, kv)
+    feats = cache.prefix_features(x[:, :covered], pre, kv)[0]  # [R, s, d]
     kv = [(k[..., :e, :].clone(), v[..., :e, :].clone()) for k, v in kv]
-    tail = torch.cat([x[0, e:], ans[: keep - 1]])[None]
-    return Example(kv, h.float(), e, tail, x.shape[1] - 1 - e, top_idx, top_logp)
+    full = torch.cat([x[0], ans[: keep - 1]])[None]
+    h = feats[read_layers.index(-1) if -1 in read_layers else 0, -1:].float()
+    return Example(kv, h, e, full[:, e:], x.shape[1] - 1 - e, top_idx, top_logp, s=span[0], feats=feats,
+                   read_layers=read_layers, ids=full)
 
 
-def student_logits(model, bridge: LatentBridge, ex: Example) -> torch.Tensor:
+def student_logits(model, bridge: LatentBridge, ex: Example, tail_k: int = 0) -> torch.Tensor:
     """The student's logits ``[P, V]`` at the supervised positions (the first answer token, then the teacher's
     answer tokens), differentiable in the bridge: the same computation as
     :class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` (latents after the block, positions shifted
     by ``n``), in one forward over latents + question + answer."""
+    return student_logits_batch(model, bridge, [ex], tail_k=tail_k)[0]
+
+
+def student_logits_batch(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0,
+                         z: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """:func:`student_logits` of several examples in one padded forward (one GEMM of all their rows: on a CPU a
+    forward of 8 x 25 rows costs about as much as three of 25).
+
+    The examples' cached rows are left-padded to a common length, their input rows (the last ``tail_k`` block rows
+    when recomputed, the latents, the question and answer) right-padded; a 2D mask hides the padding and each
+    example keeps its own positions, so every example computes what it computes alone (tested).
+    ``z`` ``[B, n, d]`` replaces the bridge's latents (free latents); ``bridge=None`` and no ``z``: direct reuse.
+    """
     from transformers import DynamicCache
 
     from ..compat import cache_kwargs
     from ..kv import load_kv
 
     p = next(model.parameters())
-    n = bridge.n_latent
-    z = bridge(ex.h.to(p.device)).to(p.dtype)                              # [1, n, d]
-    emb = model.get_input_embeddings()(ex.tail_ids.to(p.device))          # [1, m, d]
-    inputs = torch.cat([z, emb], dim=1)
-    pos = torch.arange(ex.e, ex.e + inputs.shape[1], device=p.device)[None]
-    cache = load_kv(DynamicCache(config=model.config), list(ex.kv))       # update() concatenates: ex.kv intact
-    out = model(inputs_embeds=inputs, position_ids=pos, use_cache=True, **cache_kwargs(cache))
-    rows = torch.arange(ex.first, ex.first + ex.top_idx.shape[0], device=p.device) + n
-    return out.logits[0, rows]
+    if z is None and bridge is not None and bridge.n_latent:
+        z = bridge.latents(exs).to(p.device)
+    n = 0 if z is None else z.shape[1]
+    emb = model.get_input_embeddings()
+    kept, inputs, poss = [], [], []
+    for i, ex in enumerate(exs):
+        k = min(tail_k, ex.e - max(ex.s, 1))
+        c = ex.e - k
+        ids = ex.ids if ex.ids is not None else None
+        tail_rows = ids[:, c: ex.e] if k else ex.tail_ids[:, :0]
+        parts = [emb(tail_rows.to(p.device))] if k else []
+        if n:
+            parts.append(z[i: i + 1].to(p.dtype))
+        parts.append(emb(ex.tail_ids.to(p.device)))
+        x = torch.cat(parts, 1)
+        kept.append(c)
+        inputs.append(x)
+        poss.append(torch.cat([torch.arange(c, ex.e), torch.arange(ex.e, ex.e + n + ex.tail_ids.shape[1])]))
+    B, C, T = len(exs), max(kept), max(x.shape[1] for x in inputs)
+    kv = []
+    for layer in range(len(exs[0].kv)):
+        ks, vs = [], []
+        for ex, c in zip(exs, kept):
+            k_, v_ = ex.kv[layer]
+            k_, v_ = k_[..., :c, :].to(device=p.device, dtype=p.dtype), v_[..., :c, :].to(device=p.device,
+                                                                                            dtype=p.dtype)
+            if c < C:
+                pad = k_.new_zeros(*k_.shape[:-2], C - c, k_.shape[-1])
+                k_, v_ = torch.cat([pad, k_], -2), torch.cat([pad, v_], -2)
+            ks.append(k_)
+            vs.append(v_)
+        kv.append((torch.cat(ks, 0), torch.cat(vs, 0)))
+    mask = torch.zeros(B, C + T, dtype=torch.long, device=p.device)
+    x = inputs[0].new_zeros(B, T, inputs[0].shape[-1])
+    pos = torch.zeros(B, T, dtype=torch.long)
+    for i, (c, xi, pi) in enumerate(zip(kept, inputs, poss)):
+        mask[i, C - c: C + xi.shape[1]] = 1
+        x[i, : xi.shape[1]] = xi[0]
+        pos[i, : xi.shape[1]] = pi
+        if xi.shape[1] < T:  # padded rows continue the positions (finite, never attended to by real rows)
+            pos[i, xi.shape[1]:] = pi[-1] + 1 + torch.arange(T - xi.shape[1])
+    cache = load_kv(DynamicCache(config=model.config), kv)
+    masks = mask if B > 1 or C + T > int(mask.sum()) else None
+    hidden = model.model(inputs_embeds=x, position_ids=pos.to(p.device), attention_mask=masks, use_cache=True,
+                         **cache_kwargs(cache)).last_hidden_state
+    out = []
+    for i, (ex, c) in enumerate(zip(exs, kept)):
+        start = (ex.e - c) + n + ex.first
+        out.append(model.lm_head(hidden[i, start: start + ex.top_idx.shape[0]]))
+    return out
+
+
+def kl_top_k(logits: torch.Tensor, ex: Example, first_only: bool = False) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top-k support (renormalised), averaged over the positions."""
+    if first_only:
+        logits = logits[:1]
+    logp = logits.float().log_softmax(-1)
+    t_idx, t_logp = ex.top_idx[: len(logp)].to(logp.device), ex.top_logp[: len(logp)].float().to(logp.device)
+    s_logp = logp.gather(-1, t_idx)
+    s_logp = s_logp - s_logp.logsumexp(-1, keepdim=True)
+    return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
 
 
 def student_loss(model, bridge: LatentBridge, ex: Example, first_only: bool = False) -> torch.Tensor:
     """KL(teacher || student) over the teacher's top-k support, averaged over the supervised positions."""
-    logits = student_logits(model, bridge, ex)
-    if first_only:
-        logits = logits[:1]
-    logp = logits.float().log_softmax(-1)
-    t_idx, t_logp = ex.top_idx[: len(logp)].to(logp.device), ex.top_logp[: len(logp)].to(logp.device)
-    s_logp = logp.gather(-1, t_idx)
-    s_logp = s_logp - s_logp.logsumexp(-1, keepdim=True)
-    return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+    return kl_top_k(student_logits(model, bridge, ex), ex, first_only)
+
+
+def batch_loss(model, bridge, exs: list[Example], tail_k: int = 0, z=None, first_only: bool = False,
+               per_example: bool = False):
+    """Mean (or per-example) :func:`kl_top_k` of a batch, in one padded forward."""
+    logits = student_logits_batch(model, bridge, exs, tail_k=tail_k, z=z)
+    losses = torch.stack([kl_top_k(lg, ex, first_only) for lg, ex in zip(logits, exs)])
+    return losses if per_example else losses.mean()
 
 
 def _save_trainer(out: Path, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
@@ -154,64 +216,240 @@ def _load_trainer(out: Path, opt: torch.optim.Optimizer) -> int:
     return int(meta["step"])
 
 
-def train(model, tok, out: str | Path, families=None, n_records: int = 64, steps: int = 300, lr: float = 2e-3,
-          n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1, n_answer: int = 4, top_k: int = 32,
-          loss: str = "continuation", seed: int = 0, save_every: int = 50, progress: bool = True,
-          record_seed: int = 0) -> LatentBridge:
-    """Train (or resume) a bridge; returns it. See the module docstring."""
+@dataclass
+class TrainConfig:
+    """Hyperparameters of one training run (bridge shape, the three stages, the CPU budget)."""
+
+    n_latent: int = 8
+    hidden: int = 256
+    layers: tuple = (-1,)
+    read: str = "last"                  # "last" or "attn" (attention-pooled prefix rows as well)
+    tail_tokens: int = 0                # latents plus Tail-k: block rows recomputed with the latents
+    lr: float = 2e-3                    # stage 3 (distillation) AdamW
+    batch: int = 8
+    loss: str = "continuation"          # or "first": only the first answer token
+    seed: int = 0
+    stage1_examples: int = 0            # 0: no amortised stages (distillation from scratch)
+    stage1_steps: int = 12              # Adam steps on each example's free latents
+    stage1_lr: float = 2e-2
+    stage2_steps: int = 400             # full-batch regression of the bridge onto the free latents
+    stage2_lr: float = 1e-3
+    budget_cpu_s: float = 1800.0        # this process's CPU seconds for all stages (data loading excluded)
+    max_steps: int = 0                  # stage 3 stops here too (0: no limit)
+    save_every: int = 25
+
+
+def _cpu() -> float:
+    # this thread's CPU seconds: with one intra-op thread the work runs in the calling thread, and several runs
+    # may share a process (scripts/latent_ablations_threads.py)
+    return time.thread_time()
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def free_latents(model, bridge: LatentBridge, exs: list[Example], cfg: TrainConfig) -> tuple[torch.Tensor, list]:
+    """Stage 1: per example, ``n`` free latent vectors (initialised at the bridge's current output) optimised with
+    Adam on the distillation loss (a batch of examples at once, each its own vectors). Returns ``z`` ``[B, n, d]``
+    and the per-example loss before / after."""
+    with torch.no_grad():
+        z0 = bridge.latents(exs)
+    z = z0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([z], lr=cfg.stage1_lr)
+    first = None
+    for _ in range(cfg.stage1_steps):
+        losses = batch_loss(model, None, exs, cfg.tail_tokens, z=z, first_only=cfg.loss == "first",
+                            per_example=True)
+        first = losses.detach() if first is None else first
+        opt.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        opt.step()
+    with torch.no_grad():
+        last = batch_loss(model, None, exs, cfg.tail_tokens, z=z, first_only=cfg.loss == "first", per_example=True)
+    return z.detach(), list(zip(first.tolist(), last.tolist()))
+
+
+def regress(bridge: LatentBridge, exs: list[Example], z: torch.Tensor, cfg: TrainConfig) -> list[float]:
+    """Stage 2: fit the bridge to the free latents (mean squared error relative to their spread)."""
+    opt = torch.optim.AdamW(bridge.parameters(), lr=cfg.stage2_lr, weight_decay=1e-4)
+    spread = float(((z - z.mean(0, keepdim=True)) ** 2).mean()) + 1e-8
+    curve = []
+    for i in range(cfg.stage2_steps):
+        pred = bridge.latents(exs)
+        loss = ((pred - z) ** 2).mean() / spread
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i % 50 == 0 or i == cfg.stage2_steps - 1:
+            curve.append(round(float(loss.detach()), 4))
+    return curve
+
+
+@torch.no_grad()
+def evaluate_rows(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8) -> list[dict]:
+    """Per example, teacher-forced (no generation): ``agree`` = the student's argmax equals the teacher's answer
+    at every supervised position (its greedy answer would be the full prefill's), ``ok`` = agree and the teacher is
+    right, ``reuse_ok`` the same for direct reuse (stored with the example), ``kl`` the loss."""
+    rows = []
+    for i in range(0, len(exs), batch):
+        chunk = exs[i: i + batch]
+        logits = student_logits_batch(model, bridge, chunk, tail_k=tail_k)
+        for lg, ex in zip(logits, chunk):
+            agree = bool((lg.argmax(-1) == ex.top_idx[:, 0]).all())
+            full_ok = bool(ex.meta.get("full_ok", True))
+            rows.append({"family": ex.meta.get("family", "?"), "record": ex.meta.get("record"),
+                         "direction": ex.meta.get("direction"), "agree": agree, "full_ok": full_ok,
+                         "ok": full_ok and agree, "reuse_ok": full_ok and bool(ex.meta.get("reuse_agree", False)),
+                         "kl": round(float(kl_top_k(lg, ex)), 5)})
+    return rows
+
+
+def summarize_rows(rows: list[dict]) -> dict:
+    """Per family and ``all``: ``full_acc``, ``acc``, ``reuse_acc``, ``agree``, ``recovered`` =
+    ``(acc - reuse_acc) / (full_acc - reuse_acc)``, ``kl``."""
+    out = {}
+    for fam in sorted({r["family"] for r in rows}) + ["all"]:
+        sel = [r for r in rows if fam == "all" or r["family"] == fam]
+        n = len(sel)
+        full = sum(r["full_ok"] for r in sel) / n
+        acc = sum(r["ok"] for r in sel) / n
+        reuse = sum(r["reuse_ok"] for r in sel) / n
+        out[fam] = {"n": n, "full_acc": full, "acc": acc, "reuse_acc": reuse, "agree": sum(r["agree"] for r in sel) / n,
+                    "recovered": (acc - reuse) / (full - reuse) if full > reuse else float("nan"),
+                    "kl": sum(r["kl"] for r in sel) / n}
+    return out
+
+
+def evaluate(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8) -> dict:
+    """Teacher-forced figures per family on precomputed examples (:func:`evaluate_rows`, :func:`summarize_rows`)."""
+    return summarize_rows(evaluate_rows(model, bridge, exs, tail_k, batch))
+
+
+def _save_state(out: Path, bridge: LatentBridge, opt, state: dict) -> None:
+    bridge.save(out, dtype=torch.float32)
+    if opt is not None:
+        _save_trainer(out, opt, state["step"], state)
+    (out / "state.json").write_text(json.dumps(state, indent=1, default=str))
+
+
+_INIT_LOCK = threading.Lock()
+
+
+def _initial_bridge(model, out: Path, cfg: TrainConfig, conf: dict, state_path: Path) -> LatentBridge:
+    if state_path.exists():
+        old = json.loads(state_path.read_text())["config"]
+        if {k: v for k, v in old.items() if k not in ("budget_cpu_s", "max_steps")} != \
+                {k: v for k, v in conf.items() if k not in ("budget_cpu_s", "max_steps")}:
+            raise ValueError(f"{out} holds a run with another configuration ({old}); use another --out")
+        return LatentBridge.load(out, model)
+    return LatentBridge(model, cfg.n_latent, cfg.hidden, layers=tuple(cfg.layers), read=cfg.read,
+                        tail_tokens=cfg.tail_tokens)
+
+
+def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True,
+                 stop_at: float | None = None) -> LatentBridge:
+    """Train (or resume) a bridge on precomputed examples (:mod:`hf_kvreuse.latent.data`) within
+    ``cfg.budget_cpu_s`` CPU seconds: stage 1 free latents on ``cfg.stage1_examples`` examples, stage 2 regression
+    of the bridge onto them, stage 3 distillation (batches of ``cfg.batch``) until the budget is spent.
+    ``out`` holds the bridge, the optimiser state and ``state.json`` (stage, step, CPU seconds spent); rerunning
+    resumes. With ``stage1_examples=0`` it is distillation from scratch. ``stop_at`` (``time.time()``): stage 3
+    also stops at this wall-clock time (a shared machine; rerun to continue)."""
     from tqdm.auto import tqdm
 
-    from ..workflows.conflicting import TRAIN_FAMILIES, conflict_records
-
-    families = tuple(families or TRAIN_FAMILIES)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    random.seed(seed)
-    config = {"families": families, "n_records": n_records, "steps": steps, "lr": lr, "n_latent": n_latent,
-              "hidden": hidden, "hidden_layer": hidden_layer, "n_answer": n_answer, "top_k": top_k, "loss": loss,
-              "seed": seed, "record_seed": record_seed}
-    resume = (out / "trainer.json").exists() and (out / "bridge.json").exists()
-    bridge = LatentBridge.load(out, model) if resume else LatentBridge(model, n_latent, hidden, hidden_layer)
-    if resume:
-        old = json.loads((out / "trainer.json").read_text()).get("config", {})
-        if {k: v for k, v in old.items() if k != "steps"} != {k: (list(v) if isinstance(v, tuple) else v)
-                                                             for k, v in config.items() if k != "steps"}:
-            raise ValueError(f"{out} holds a run with another configuration ({old}); use another --out")
-    opt = torch.optim.AdamW(bridge.parameters(), lr=lr, weight_decay=0.0)
-    step = _load_trainer(out, opt) if resume else 0
-    t0 = time.perf_counter()
-    examples = []
-    store = ChunkStore()
-    recs = [r for fam in families for r in conflict_records(fam, n_records, seed=record_seed)]
-    for rec in tqdm(recs, desc="teacher + student constants", disable=not progress):
-        for src, tgt in (("a", "b"), ("b", "a")):
-            examples.append(build_example(model, tok, rec, src, tgt, n_answer, top_k, hidden_layer, store))
-    prep_s = time.perf_counter() - t0
+    conf = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
+    state_path = out / "state.json"
+    with _INIT_LOCK:  # the seed and the bridge's initialisation together (runs may share a process)
+        torch.manual_seed(cfg.seed)
+        bridge = _initial_bridge(model, out, cfg, conf, state_path)
+    if state_path.exists():
+        state = json.loads(state_path.read_text())
+        state["config"] = conf
+    else:
+        state = {"config": conf, "stage": 1 if cfg.stage1_examples else 3, "step": 0, "cpu_s": 0.0,
+                 "stage_cpu_s": {}, "losses": [], "stage1": [], "stage2": [], "train_examples": len(data),
+                 "git_commit": _git_commit()}
     for p in model.parameters():
         p.requires_grad_(False)
-    rng = random.Random(seed * 1000 + step)  # the example order depends on the step: resuming continues it
-    bar = tqdm(total=steps, initial=step, desc="distill", disable=not progress)
-    losses = []
-    t1 = time.perf_counter()
-    while step < steps:
-        ex = examples[rng.randrange(len(examples))]
-        lval = student_loss(model, bridge, ex, first_only=(loss == "first"))
+    rng = random.Random(cfg.seed)
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    budget = cfg.budget_cpu_s
+
+    def spend(stage: str, t0: float) -> None:
+        dt = _cpu() - t0
+        state["cpu_s"] += dt
+        state["stage_cpu_s"][stage] = state["stage_cpu_s"].get(stage, 0.0) + dt
+
+    if state["stage"] == 1:  # free latents, saved chunk by chunk (resumable)
+        sel = order[: cfg.stage1_examples]
+        zfile = out / "stage1.safetensors"
+        from safetensors.torch import load_file, save_file
+
+        done = load_file(str(zfile)) if zfile.exists() else {}
+        bar = tqdm(total=len(sel), initial=len(done), desc="stage 1: free latents", disable=not progress)
+        for i in range(0, len(sel), cfg.batch):
+            keys = [str(j) for j in sel[i: i + cfg.batch]]
+            if all(k in done for k in keys):
+                continue
+            t0 = _cpu()
+            z, ls = free_latents(model, bridge, [data[j] for j in sel[i: i + cfg.batch]], cfg)
+            done.update({k: z[m].contiguous() for m, k in enumerate(keys)})
+            state["stage1"].extend([round(a, 4), round(b, 4)] for a, b in ls)
+            save_file(done, str(zfile))
+            spend("stage1", t0)
+            _save_state(out, bridge, None, state)
+            bar.update(len(keys))
+        bar.close()
+        state["stage"] = 2
+    if state["stage"] == 2:
+        from safetensors.torch import load_file
+
+        t0 = _cpu()
+        done = load_file(str(out / "stage1.safetensors"))
+        keys = sorted(done, key=int)
+        state["stage2"] = regress(bridge, [data[int(k)] for k in keys], torch.stack([done[k] for k in keys]), cfg)
+        spend("stage2", t0)
+        state["stage"] = 3
+        _save_state(out, bridge, None, state)
+    opt = torch.optim.AdamW(bridge.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if (out / "trainer.json").exists() and state["step"] > 0:
+        _load_trainer(out, opt)
+    bar = tqdm(initial=state["step"], desc="stage 3: distillation", disable=not progress)
+    while state["cpu_s"] < budget and (not cfg.max_steps or state["step"] < cfg.max_steps) and \
+            (stop_at is None or time.time() < stop_at):
+        t0 = _cpu()
+        per_epoch = max(1, len(data) // cfg.batch)
+        epoch, pos = divmod(state["step"], per_epoch)
+        perm = list(range(len(data)))
+        random.Random(cfg.seed * 7919 + epoch).shuffle(perm)
+        exs = [data[j] for j in perm[pos * cfg.batch: (pos + 1) * cfg.batch]]
+        loss = batch_loss(model, bridge, exs, cfg.tail_tokens, first_only=cfg.loss == "first")
         opt.zero_grad(set_to_none=True)
-        lval.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(bridge.parameters(), 1.0)
         opt.step()
-        step += 1
-        losses.append(float(lval))
+        state["step"] += 1
+        state["losses"].append(round(float(loss.detach()), 4))
+        spend("stage3", t0)
         bar.update(1)
-        bar.set_postfix(loss=f"{statistics_mean(losses[-20:]):.3f}")
-        if step % save_every == 0 or step == steps:
-            bridge.info = {"config": config, "step": step, "train_examples": len(examples),
-                           "loss_last20": statistics_mean(losses[-20:]), "prep_s": prep_s,
-                           "train_s": time.perf_counter() - t1}
-            bridge.save(out)
-            _save_trainer(out, opt, step, {"config": config})
+        bar.set_postfix(loss=f"{statistics_mean(state['losses'][-20:]):.3f}", cpu=f"{state['cpu_s']:.0f}s")
+        if state["step"] % cfg.save_every == 0:
+            bridge.info = {"config": conf, "step": state["step"], "cpu_s": state["cpu_s"]}
+            _save_state(out, bridge, opt, state)
     bar.close()
+    bridge.info = {"config": conf, "step": state["step"], "cpu_s": state["cpu_s"],
+                   "stage_cpu_s": state["stage_cpu_s"], "train_examples": len(data),
+                   "loss_last20": statistics_mean(state["losses"][-20:]), "git_commit": state.get("git_commit")}
+    _save_state(out, bridge, opt, state)
     return bridge
 
 
@@ -219,38 +457,95 @@ def statistics_mean(xs) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def main(argv=None) -> None:
-    from ..models import load_offline
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_kvreuse.latent.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-0.5b", help="offline model name (smollm2, qwen2.5-0.5b, ...)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--families", nargs="+", default=None)
-    p.add_argument("--n-records", type=int, default=64, help="records per family (two directions each)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--n-latent", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--hidden-layer", type=int, default=-1)
-    p.add_argument("--n-answer", type=int, default=4, help="teacher answer tokens supervised (teacher-forced)")
-    p.add_argument("--top-k", type=int, default=32)
-    p.add_argument("--loss", choices=["continuation", "first"], default="continuation")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--threads", type=int, default=2)
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    dtype = torch.float32 if "smollm2" in a.model else torch.bfloat16
-    model, tok = load_offline(a.model, dtype=dtype)
-    from ..generation.mixin import enable
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--data", required=True, help="folder of training shards (python -m hf_kvreuse.latent.data)")
+    p.add_argument("--families", nargs="+", default=None, help="training families (default: every shard)")
+    p.add_argument("--max-per-family", type=int, default=None)
+    p.add_argument("--dev", default=None, help="folder of dev shards, evaluated at the end (teacher-forced)")
+    p.add_argument("--out", required=True, help="the run folder (bridge, optimiser, state; rerun to resume)")
+    p.add_argument("--result", default=None, help="JSON with config, seed, git commit, CPU seconds, dev figures")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "layers":
+            p.add_argument(flag, type=int, nargs="+", default=list(f.default))
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compare", nargs="*", default=[],
+                   help="NAME=PATH (or shipped): other bridges evaluated on the dev shards too (e.g. the shipped one)")
+    p.add_argument("--baseline-tail", type=int, default=16, help="Tail-k baseline evaluated on the dev shards")
+    p.add_argument("--stop-at-wall", type=float, default=None,
+                   help="stage 3 stops at this wall-clock time (seconds since the epoch); rerun to continue")
+    return p
 
-    enable(model)
+
+def run(argv, model=None, loaded: dict | None = None) -> dict:
+    """One training command (see :func:`main`); ``model`` and ``loaded`` (data folder -> examples) may be shared
+    by several runs in one process (``scripts/latent_ablations_threads.py``: one model copy in memory)."""
+    from .data import load_examples
+
+    a = _parser().parse_args(argv)
+    cfg = TrainConfig(**{f.name: (tuple(getattr(a, f.name)) if f.name == "layers" else getattr(a, f.name))
+                         for f in fields(TrainConfig)})
+    if model is None:
+        from ..generation.mixin import enable
+        from ..models import load_offline
+
+        torch.set_num_threads(a.threads)
+        model, _ = load_offline(a.model, dtype=getattr(torch, a.dtype))
+        enable(model)
+    loaded = {} if loaded is None else loaded
+    key = (a.data, tuple(a.families or ()), a.max_per_family)
+    if key not in loaded:
+        loaded[key] = load_examples(a.data, a.families, a.max_per_family)
+    data = loaded[key]
     t0 = time.perf_counter()
-    bridge = train(model, tok, a.out, a.families, a.n_records, a.steps, a.lr, a.n_latent, a.hidden, a.hidden_layer,
-                   a.n_answer, a.top_k, a.loss, a.seed, a.save_every)
-    print(f"trained {bridge} in {time.perf_counter() - t0:.0f} s; saved to {a.out}: {bridge.info}")
+    bridge = train_staged(model, data, a.out, cfg, progress=len(loaded) <= 1, stop_at=a.stop_at_wall)
+    wall = time.perf_counter() - t0
+    res = {"command": "python -m hf_kvreuse.latent.train " + " ".join(argv),
+           "config": asdict(cfg), "families": sorted({ex.meta.get("family") for ex in data}),
+           "train_examples": len(data), "bridge": bridge.info, "wall_s_this_run": wall, "date": time.strftime("%F %T")}
+    if a.dev:
+        if a.dev not in loaded:
+            loaded[a.dev] = load_examples(a.dev)
+        dev = loaded[a.dev]
+        c0 = _cpu()
+        # per example and variant, so that a table can pair them (Newcombe intervals of paired differences)
+        rows = {"bridge": evaluate_rows(model, bridge, dev, cfg.tail_tokens, cfg.batch),
+                "reuse": evaluate_rows(model, None, dev, 0, cfg.batch)}
+        if cfg.tail_tokens:
+            rows[f"tail{cfg.tail_tokens}"] = evaluate_rows(model, None, dev, cfg.tail_tokens, cfg.batch)
+        if a.baseline_tail and f"tail{a.baseline_tail}" not in rows:
+            rows[f"tail{a.baseline_tail}"] = evaluate_rows(model, None, dev, a.baseline_tail, cfg.batch)
+        res["compare"] = {}
+        for spec in a.compare:
+            name, path = spec.split("=", 1) if "=" in spec else (spec, spec)
+            other = LatentBridge.from_pretrained(model, None if path == "shipped" else path)
+            rows[name] = evaluate_rows(model, other, dev, other.tail_tokens, cfg.batch)
+            res["compare"][name] = {"path": path, "n_latent": other.n_latent, "tail_tokens": other.tail_tokens,
+                                    "info": other.info}
+        res["dev"] = summarize_rows(rows["bridge"])
+        res["dev_reuse"] = summarize_rows(rows["reuse"])
+        res["dev_reuse_tail"] = summarize_rows(rows[f"tail{cfg.tail_tokens}"]) if cfg.tail_tokens else None
+        res["dev_variants"] = {k: summarize_rows(v) for k, v in rows.items()}
+        res["dev_rows"] = rows
+        res["dev_cpu_s"] = _cpu() - c0
+    if a.result:
+        Path(a.result).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.result).write_text(json.dumps(res, indent=1, default=str))
+    return res
 
+
+def main(argv=None) -> None:
+    """Train a bridge on precomputed shards (resumable), optionally evaluate it on dev shards and write a result
+    JSON (config, seed, git commit, CPU seconds per stage, dev figures)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    res = run(argv)
+    print(json.dumps({k: v for k, v in res.items() if k in ("bridge", "dev")}, indent=1, default=str))
 
 if __name__ == "__main__":
     main()

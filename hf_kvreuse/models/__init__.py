@@ -8,10 +8,12 @@ architectures).
 """
 
 from .arch_zoo import zoo_config, zoo_configs, zoo_model
-from .loaders import (MODEL_KEYS, OFFLINE_MODELS, QWEN_ALIASES, TINY_ARCHS, OfflineModel, load_by_key, load_offline, load_qwen, load_smollm2,
+from .loaders import (DTYPES, MODEL_KEYS, OFFLINE_MODELS, QWEN_ALIASES, TINY_ARCHS, OfflineModel, load_by_key,
+                      load_local, load_offline, load_qwen, load_smollm2,
                       model_path, smollm2_path, tiny_config, tiny_model)
 from .offline import cache_dir, check_sha256, fetch_wheel_members, sha256_of
 
-__all__ = ["MODEL_KEYS", "load_by_key", "OFFLINE_MODELS", "QWEN_ALIASES", "OfflineModel", "load_offline", "load_qwen", "load_smollm2", "model_path",
+__all__ = ["DTYPES", "MODEL_KEYS", "load_by_key", "load_local",
+           "OFFLINE_MODELS", "QWEN_ALIASES", "OfflineModel", "load_offline", "load_qwen", "load_smollm2", "model_path",
            "smollm2_path", "TINY_ARCHS", "tiny_config", "tiny_model", "zoo_config", "zoo_configs", "zoo_model",
            "cache_dir", "check_sha256", "fetch_wheel_members", "sha256_of"]

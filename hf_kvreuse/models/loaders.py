@@ -201,19 +201,44 @@ MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "qwen2.5-0.5b": "Qwen2.5-Code
                "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
 
 
+def load_local(path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
+               attn_implementation: str = "sdpa"):
+    """Load a local transformers causal LM folder (``config.json``, weights, tokenizer files), offline. Returns
+    ``(model, tokenizer)`` in eval mode.
+
+    ``dtype``: a torch dtype, ``"bf16"`` / ``"fp16"`` / ``"fp32"``, or ``"auto"`` (the dtype the folder's config
+    records).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a transformers model folder (no config.json); give one of "
+                                f"{', '.join(MODEL_KEYS)} or a folder written by save_pretrained")
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        dtype = as_dtype(dtype)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 local_files_only=True)
+    return model.to(device).eval(), tok
+
+
 def load_by_key(key: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
                 attn_implementation: str = "sdpa"):
-    """Load an offline model by its short name (:data:`MODEL_KEYS`). Returns ``(model, tokenizer)``.
+    """Load an offline model by its short name (:data:`MODEL_KEYS`), or a local model folder
+    (:func:`load_local`). Returns ``(model, tokenizer)``.
 
-    ``dtype``: a torch dtype, ``"bf16"`` / ``"fp32"``, or None for the model's CPU default (SmolLM2 float32, the
-    exactness reference; Qwen bfloat16, the fast CPU dtype).
+    ``dtype``: a torch dtype, ``"bf16"`` / ``"fp16"`` / ``"fp32"``, or None for the model's CPU default (SmolLM2
+    float32, the exactness reference; Qwen bfloat16, the fast CPU dtype; a folder: the dtype its config records).
     """
-    dtype = None if dtype is None else as_dtype(dtype)
+    if key not in MODEL_KEYS and Path(key).is_dir():
+        return load_local(key, dtype or "auto", device, attn_implementation)
+    dtype = None if dtype in (None, "auto") else as_dtype(dtype)
     if key == "smollm2":
         return load_smollm2(dtype or torch.float32, device, attn_implementation)
     if key in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
         return load_qwen(key.split("-")[1], dtype or torch.bfloat16, device, attn_implementation)
-    raise ValueError(f"unknown model {key!r}: choose one of {', '.join(MODEL_KEYS)}")
+    raise ValueError(f"unknown model {key!r}: choose one of {', '.join(MODEL_KEYS)} or a local model folder")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,11 @@ Every family's answers are checkable by construction (seeded generators, no mode
 * ``inventory``: each agent reports the stock of its own product in a stock list;
 * ``schedule``: each agent reports the time of its own event in a timetable;
 * ``squad-pair``: a real SQuAD passage with two of its questions whose answers differ; each agent's prefix
-  carries its own question.
+  carries its own question;
+* issue 25: ``phonebook`` (name -> extension, dotted leaders), ``prices`` (markdown table), ``gates`` (flight ->
+  gate sentences), ``specs`` (spec-sheet fields), ``json`` (a JSON object), ``rooms`` (guest -> room sentences),
+  ``code`` (Python functions returning constants), ``narrative`` (a prose story), ``minmax`` (most vs fewest units),
+  ``inverse`` (value -> key).
 
 :data:`TRAIN_FAMILIES` and :data:`HELDOUT_FAMILIES` are disjoint: a bridge is trained on the first and evaluated
 on the second.
@@ -29,11 +33,13 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-# chosen by the screen in README (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
-# direct reuse loses >= 15 points; the others (utility, count: the model cannot do them; order, years: reuse keeps
-# the answer) stay available for measurement
-TRAIN_FAMILIES = ("inventory", "schedule")
-HELDOUT_FAMILIES = ("retrieval", "extract")
+# chosen by the screens in README (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
+# direct reuse loses >= 15 points. Held out: retrieval and extract (lookup list, record card) and code (Python
+# source: another shape than every training family); the others (utility, count, gates, minmax, inverse, narrative:
+# the model cannot do them with full prefill; order, years, specs: reuse keeps most answers; json, rooms: not
+# screened) stay available for measurement
+TRAIN_FAMILIES = ("inventory", "schedule", "phonebook", "prices")
+HELDOUT_FAMILIES = ("retrieval", "extract", "code")
 QUESTION = "Give only your answer, nothing else."
 
 
@@ -216,8 +222,143 @@ def _years_records(seed: int, n: int) -> list[ConflictRecord]:
     return out
 
 
+# -- more families (issue 25): other layouts and field pairs, and a prose family of another shape -------------
+_PEOPLE = _NAMES + ("Ada", "Boris", "Clara", "Diego", "Elif", "Femi", "Greta", "Hugo", "Ines", "Jonas", "Kira",
+                    "Luca", "Mina", "Nils", "Olga", "Pavel")
+_MATERIALS = ("steel", "oak", "glass", "cotton", "bamboo", "leather", "copper", "wool", "marble", "nylon")
+_COUNTRIES = ("Chile", "Kenya", "Japan", "Norway", "Peru", "Ghana", "Vietnam", "Estonia", "Morocco", "Canada")
+
+
+def _phonebook(rng: random.Random) -> ConflictRecord:
+    """Name -> four-digit extension, a staff directory with dotted leaders."""
+    names = rng.sample(_PEOPLE, 10)
+    exts = rng.sample(range(1000, 9999), 10)
+    a, b = rng.sample(range(10), 2)
+    block = "Staff directory:\n" + "\n".join(f"{n} ........ ext. {x}" for n, x in zip(names, exts))
+    tmpl = "You need to call {}. Report their phone extension."
+    return ConflictRecord("phonebook", tmpl.format(names[a]), tmpl.format(names[b]), block, QUESTION, str(exts[a]),
+                          str(exts[b]))
+
+
+def _prices(rng: random.Random) -> ConflictRecord:
+    """Item -> price, a markdown table."""
+    items = rng.sample(_PRODUCTS + _SHAPES, 9)
+    prices = [f"{rng.randint(2, 89)}.{rng.choice(range(10, 100, 5))}" for _ in items]
+    while len(set(prices)) < len(prices):
+        prices = [f"{rng.randint(2, 89)}.{rng.choice(range(10, 100, 5))}" for _ in items]
+    a, b = rng.sample(range(9), 2)
+    block = "| item | price (USD) |\n|---|---|\n" + "\n".join(f"| {i} | {p} |" for i, p in zip(items, prices))
+    tmpl = "You are buying {}. Report the price of your item."
+    return ConflictRecord("prices", tmpl.format(items[a]), tmpl.format(items[b]), block, QUESTION, prices[a],
+                          prices[b])
+
+
+def _gates(rng: random.Random) -> ConflictRecord:
+    """Flight code -> gate, one sentence per line."""
+    codes = [f"{rng.choice(('BA', 'LH', 'AF', 'KL', 'QR', 'TK', 'EK', 'SQ'))}{rng.randint(100, 989)}" for _ in range(9)]
+    while len(set(codes)) < 9:
+        codes = [f"{rng.choice(('BA', 'LH', 'AF', 'KL', 'QR', 'TK'))}{rng.randint(100, 989)}" for _ in range(9)]
+    gates = rng.sample([f"{c}{n}" for c in "ABCDEF" for n in range(1, 30)], 9)
+    cities = [rng.choice(_CITIES) for _ in codes]
+    a, b = rng.sample(range(9), 2)
+    block = "Departures board:\n" + "\n".join(f"Flight {c} to {t} boards at gate {g}." for c, t, g in
+                                             zip(codes, cities, gates))
+    tmpl = "You are a passenger on flight {}. Report the gate of your flight."
+    return ConflictRecord("gates", tmpl.format(codes[a]), tmpl.format(codes[b]), block, QUESTION, gates[a], gates[b])
+
+
+def _specs(rng: random.Random) -> ConflictRecord:
+    """A product spec sheet; each agent extracts its own field (other fields and layout than ``extract``)."""
+    sheet = {"model": f"{rng.choice(('XR', 'QT', 'ZN', 'PL'))}-{rng.randint(10, 99)}",
+             "material": rng.choice(_MATERIALS), "made in": rng.choice(_COUNTRIES),
+             "weight": f"{rng.randint(2, 40)} kg", "warranty": f"{rng.randint(1, 9)} years",
+             "colour": rng.choice(("black", "white", "silver", "olive", "navy", "orange"))}
+    fa, fb = rng.sample(["material", "made in", "weight", "warranty", "colour"], 2)
+    block = "Spec sheet\n" + "\n".join(f"- {k.upper()} = {v}" for k, v in sheet.items())
+    what = {"material": "the material", "made in": "the country of manufacture", "weight": "the weight",
+            "warranty": "the warranty period", "colour": "the colour"}
+    tmpl = "You check {} of products. Report only that value."
+    return ConflictRecord("specs", tmpl.format(what[fa]), tmpl.format(what[fb]), block, QUESTION, sheet[fa],
+                          sheet[fb])
+
+
+def _json(rng: random.Random) -> ConflictRecord:
+    """Key -> value in a JSON object."""
+    keys = rng.sample(_WORDS + _SHAPES, 10)
+    vals = rng.sample(range(10, 999), 10)
+    a, b = rng.sample(range(10), 2)
+    block = "config = {\n" + ",\n".join(f'  "{k}_limit": {v}' for k, v in zip(keys, vals)) + "\n}"
+    tmpl = "You maintain the setting \"{}_limit\". Report its value in the config."
+    return ConflictRecord("json", tmpl.format(keys[a]), tmpl.format(keys[b]), block, QUESTION, str(vals[a]),
+                          str(vals[b]))
+
+
+def _rooms(rng: random.Random) -> ConflictRecord:
+    """Person -> room number, as sentences."""
+    names = rng.sample(_PEOPLE, 9)
+    rooms = rng.sample(range(100, 999), 9)
+    a, b = rng.sample(range(9), 2)
+    block = "Hotel guests:\n" + "\n".join(f"{n} is staying in room {r}." for n, r in zip(names, rooms))
+    tmpl = "You are looking for {}. Report the room number of your guest."
+    return ConflictRecord("rooms", tmpl.format(names[a]), tmpl.format(names[b]), block, QUESTION, str(rooms[a]),
+                          str(rooms[b]))
+
+
+def _narrative(rng: random.Random) -> ConflictRecord:
+    """A short prose story (no list, no table): several people, each travels to a city; each agent follows one
+    person. Another shape than the lookup lists and cards: entities and answers sit inside running text."""
+    names = rng.sample(_PEOPLE, 5)
+    cities = rng.sample(_CITIES, 5)
+    jobs = rng.sample(_JOBS, 5)
+    verbs = ("took the night train to", "flew to", "drove all the way to", "sailed to", "moved to")
+    sents = [f"{n}, a {j}, {rng.choice(verbs)} {c}" for n, c, j in zip(names, cities, jobs)]
+    links = (" Meanwhile, ", " A week later, ", " That same spring, ", " Not long after, ")
+    text = "Last year the friends scattered. " + sents[0] + "." + "".join(
+        rng.choice(links) + s + "." for s in sents[1:])
+    text += " They still write to each other every month."
+    a, b = rng.sample(range(5), 2)
+    tmpl = "You are writing {}'s biography. Report the city that {} went to."
+    return ConflictRecord("narrative", tmpl.format(names[a], names[a]), tmpl.format(names[b], names[b]),
+                          "Story: " + text, QUESTION, cities[a], cities[b])
+
+
+def _minmax(rng: random.Random) -> ConflictRecord:
+    """Opposite aggregates over one list: the product with the most units vs the fewest."""
+    items = rng.sample(_PRODUCTS, 8)
+    vals = rng.sample(range(10, 99), 8)
+    block = "Stock list:\n" + "\n".join(f"{i} - {v} units" for i, v in zip(items, vals))
+    hi, lo = items[vals.index(max(vals))], items[vals.index(min(vals))]
+    return ConflictRecord("minmax", "You restock shelves. Report the product with the FEWEST units in stock.",
+                          "You run a clearance sale. Report the product with the MOST units in stock.", block,
+                          QUESTION, lo, hi)
+
+
+def _inverse(rng: random.Random) -> ConflictRecord:
+    """Value -> key: each agent names the entry that holds its number."""
+    keys = rng.sample(_WORDS, 10)
+    vals = rng.sample(range(100, 999), 10)
+    a, b = rng.sample(range(10), 2)
+    block = "Registry:\n" + "\n".join(f"{k}: {v}" for k, v in zip(keys, vals))
+    tmpl = "You hold ticket number {}. Report the name of the entry with your number."
+    return ConflictRecord("inverse", tmpl.format(vals[a]), tmpl.format(vals[b]), block, QUESTION, keys[a], keys[b])
+
+
+def _code(rng: random.Random) -> ConflictRecord:
+    """Python source: six functions, each returning a constant; each agent calls its own function. Another shape
+    than the lists, tables and cards (multi-line code, the name and its value on different lines)."""
+    fns = rng.sample(_WORDS, 6)
+    vals = rng.sample(range(10, 999), 6)
+    src = "\n".join(f"def {f}():\n    return {v}\n" for f, v in zip(fns, vals))
+    a, b = rng.sample(range(6), 2)
+    tmpl = "You call {}(). Report the value it returns."
+    return ConflictRecord("code", tmpl.format(fns[a]), tmpl.format(fns[b]), "```python\n" + src + "```", QUESTION,
+                          str(vals[a]), str(vals[b]))
+
+
 GENERATORS = {"utility": _utility, "retrieval": _retrieval, "count": _count, "extract": _extract, "order": _order,
-              "inventory": _inventory, "schedule": _schedule}
+              "inventory": _inventory, "schedule": _schedule,
+              "phonebook": _phonebook, "prices": _prices, "gates": _gates, "specs": _specs, "json": _json,
+              "rooms": _rooms, "narrative": _narrative, "minmax": _minmax, "inverse": _inverse, "code": _code}
 FAMILIES = tuple(GENERATORS) + ("years", "squad-pair")
 
 
