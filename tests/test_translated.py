@@ -2,6 +2,7 @@
 width, head count and head size and share a vocabulary. Planted bugs: docs/MUTATIONS.md."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -344,3 +345,272 @@ def test_pad_token_in_prompt_without_mask_is_refused(pair):
     ref = tgt.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
                        output_logits=True)
     torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
+
+
+# -- richer map kinds, exact leading layers, combined scorer (issue 24) --------------------------------------------
+from hf_kvreuse.translation import BlockLayout, BlockMoments, CombinedScorer, run_source  # noqa: E402
+from hf_kvreuse.translation.moments import depth_band  # noqa: E402
+
+NEW_KINDS = ["kv-both", "hidden", "kv+hidden"]
+
+
+@pytest.fixture(scope="module", params=NEW_KINDS)
+def kind_pair(request):
+    src_kw, tgt_kw = PAIRS["deeper-wider"]
+    src = tiny_model("qwen2", seed=1, **src_kw)
+    tgt = enable(tiny_model("qwen2", seed=2, **tgt_kw))
+    mapper = KVMapper.fit(src, tgt, _calib(), stride=1, progress=False, inputs=request.param, top_k=2)
+    return src, tgt, mapper
+
+
+def test_new_kinds_read_what_they_say_and_ratio_one_is_full_prefill(kind_pair):
+    """Every map kind: its layers read the blocks of its kind, recompute_ratio=1 is the target's full prefill
+    (logits and K/V), and ratio 0 holds exactly the map applied by hand to the source's features. Planted bug:
+    `gather` reads the keys for ("v", s) blocks -> the ratio-0 K/V differ (kv-both, kv+hidden)."""
+    src, tgt, mapper = kind_pair
+    kind = mapper.kind
+    for t, lm in enumerate(mapper.layers):
+        kinds = {b for b, _ in lm.blocks("k")} | {b for b, _ in lm.blocks("v")}
+        assert kinds == {"kv-both": {"k", "v"}, "hidden": {"h"}, "kv+hidden": {"k", "v", "h"}}[kind]
+        if "hidden" in kind:
+            assert {s for b, s in lm.blocks("k") if b == "h"} == set(depth_band(t, 3, 5, 1))
+    ids = _prompt()
+    ref = _full(tgt, ids)
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0)
+    out = tgt.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)
+    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
+    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref.past_key_values)):
+        torch.testing.assert_close(k, rk[..., : k.shape[-2], :], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, rv[..., : v.shape[-2], :], atol=1e-4, rtol=1e-4)
+    # ratio 0: the cache holds exactly the map applied by hand to the source's features
+    from transformers import DynamicCache
+    n = ids.shape[1] - 1
+    sc = DynamicCache(config=src.config)
+    hidden = run_source(src, ids[:, :n], sc, range(src.config.num_hidden_layers + 1))
+    sh = RopeShifter(src)
+    feats = content_features(kv_of(sc), sh, torch.arange(n))
+    c0 = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.0)
+    tgt.generate(ids, cache=c0, max_new_tokens=1)
+    tsh = RopeShifter(tgt)
+    for t, lm in enumerate(mapper.layers):
+        xk = torch.cat([feats[s][0] if b == "k" else feats[s][1] if b == "v" else hidden[s] for b, s in lm.blocks("k")], -1)
+        xv = torch.cat([feats[s][0] if b == "k" else feats[s][1] if b == "v" else hidden[s] for b, s in lm.blocks("v")], -1)
+        want_k = tsh.shift(mapper.to_cache_layout(xk @ lm.w_k + lm.b_k), torch.arange(n))
+        want_v = mapper.to_cache_layout(xv @ lm.w_v + lm.b_v)
+        torch.testing.assert_close(kv_of(c0)[t][0][..., :n, :], want_k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv_of(c0)[t][1][..., :n, :], want_v, atol=1e-4, rtol=1e-4)
+
+
+def test_new_kinds_save_load_round_trip_and_refuse_another_pair(kind_pair, tmp_path):
+    """safetensors + JSON round trip keeps each layer's input blocks and translates to the same K/V; the pair is
+    identity-checked. Planted bug: `load` drops the saved `inputs_*` (falls back to K->K / V->V) -> its width check
+    raises ValueError."""
+    src, tgt, mapper = kind_pair
+    mapper.save(tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "mapper.json").read_text())
+    assert meta["version"] == 2 and meta["info"]["config"]["inputs"] == mapper.kind
+    loaded = KVMapper.load(tmp_path / "m", src, tgt)
+    assert [lm.blocks("k") for lm in loaded.layers] == [lm.blocks("k") for lm in mapper.layers]
+    assert [lm.blocks("v") for lm in loaded.layers] == [lm.blocks("v") for lm in mapper.layers]
+    ids = _prompt()
+    a = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
+    b = TranslatedCache(tgt, src, loaded, ids, recompute_ratio=0.3)
+    tgt.generate(ids, cache=a, max_new_tokens=1)
+    tgt.generate(ids, cache=b, max_new_tokens=1)
+    for (ka, va), (kb, vb) in zip(kv_of(a), kv_of(b)):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    with pytest.raises(MapperMismatchError, match="weights"):
+        KVMapper.load(tmp_path / "m", tiny_model("qwen2", seed=5, **PAIRS["deeper-wider"][0]), tgt)
+    with pytest.raises(MapperMismatchError):
+        TranslatedCache(tgt, tiny_model("qwen2", seed=6, **PAIRS["deeper-wider"][0]), mapper, ids)
+
+
+def test_format_1_maps_still_load(pair, tmp_path):
+    """A map saved before the map kinds (format 1: no inputs_* tensors) loads as the K->K / V->V kind; an unknown
+    version is refused. Planted bug: format 1 dropped from the readable versions -> ValueError on load."""
+    from safetensors.torch import load_file, save_file
+
+    src, tgt, mapper = pair
+    mapper.save(tmp_path / "m")
+    ts = {k: v for k, v in load_file(str(tmp_path / "m" / "mapper.safetensors")).items() if ".inputs_" not in k}
+    save_file(ts, str(tmp_path / "m" / "mapper.safetensors"))
+    meta = json.loads((tmp_path / "m" / "mapper.json").read_text())
+    meta["version"] = 1
+    meta.pop("sha256")  # format-1 maps predate the recorded sha256: loaded with a warning, values still checked
+    (tmp_path / "m" / "mapper.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="no recorded sha256"):
+        old = KVMapper.load(tmp_path / "m", src, tgt)
+    assert all(lm.blocks("k") == [("k", s) for s in lm.sources] for lm in old.layers)
+    meta["version"] = 3
+    (tmp_path / "m" / "mapper.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="format version"):
+        KVMapper.load(tmp_path / "m")
+
+
+def test_hidden_kind_with_a_source_cache_needs_the_source_hidden_states():
+    """A source cache holds no hidden states: a hidden-reading map refuses it alone, and with the hidden states of
+    the same prefill (run_source) gives the K/V of the cache's own source prefill. Planted bug: the given
+    hidden states sliced from row 1 (`h[1:n + 1]`) -> K/V differ."""
+    from transformers import DynamicCache
+
+    src_kw, tgt_kw = PAIRS["head-dim"]
+    src = tiny_model("qwen2", seed=1, **src_kw)
+    tgt = enable(tiny_model("qwen2", seed=2, **tgt_kw))
+    mapper = KVMapper.fit(src, tgt, _calib(16), stride=1, progress=False, inputs="hidden")
+    ids = _prompt(45, 21)
+    sc = DynamicCache(config=src.config)
+    hidden = run_source(src, torch.cat([ids, _prompt(5, 22)], 1), sc, mapper.hidden_layers)
+    with pytest.raises(ValueError, match="hidden states"):
+        TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, source_cache=sc)
+    a = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
+    b = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, source_cache=sc, source_hidden=hidden)
+    tgt.generate(ids, cache=a, max_new_tokens=2)
+    tgt.generate(ids, cache=b, max_new_tokens=2)
+    for (ka, va), (kb, vb) in zip(kv_of(a), kv_of(b)):
+        torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="hidden"):
+        mapper.translate(kv_of(sc), torch.arange(10), RopeShifter(src), RopeShifter(tgt), torch.float32)
+
+
+def _planted_moments(seed=0, n=3000, chunks=3):
+    """Synthetic rows (2 source layers of K/V width 3, hidden 4) and a target (3 layers, width 2) that is an exact
+    affine function of chosen blocks per layer."""
+    lay = BlockLayout(source_layers=2, kv_width=3, hidden=4)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, lay.n_features, generator=gen) * torch.linspace(0.5, 3, lay.n_features) + 2.0
+    truth = {0: [("h", 0), ("k", 1)], 1: [("h", 1), ("v", 0)], 2: [("h", 2), ("h", 1)]}
+    ys, params = [], {}
+    for t, blocks in truth.items():
+        xs = torch.cat([x[:, lay.cols(b)] for b in blocks], 1)
+        w = torch.randn(xs.shape[1], 4, generator=gen)
+        b = torch.randn(4, generator=gen)
+        ys.append(xs @ w + b)
+        params[t] = (blocks, w, b)
+    y = torch.cat(ys, 1)
+    parts = []
+    for c in range(chunks):
+        m = BlockMoments(lay, 3, 2, band=1, cross=True)
+        lo, hi = c * n // chunks, (c + 1) * n // chunks
+        m.add(x[lo:lo + 100], y[lo:lo + 100])  # two batches: the shift (the first batch's mean) is not the part's
+        m.add(x[lo + 100:hi], y[lo + 100:hi])
+        parts.append(m)
+    return lay, parts, params, x, y
+
+
+def test_block_moments_recover_a_planted_linear_function():
+    """From streamed, merged BlockMoments the solve recovers an affine map that reads hidden and K/V blocks, and
+    the merged moments equal one pass over all rows. Planted bug: `merge` re-centres a cross term with the wrong
+    sign (`+ outer(da, sb)`) -> merged covariances differ from one pass."""
+    lay, parts, params, x, y = _planted_moments()
+    merged = BlockMoments(lay, 3, 2, band=1, cross=True)
+    for m in parts:
+        merged.merge(m)
+    one = BlockMoments(lay, 3, 2, band=1, cross=True)
+    one.add(x, y)
+    for t, (blocks, w, b) in params.items():
+        c1, c2 = merged.cov(blocks, t), one.cov(blocks, t)
+        for u, v in zip(c1, c2):
+            torch.testing.assert_close(u, v, atol=1e-3, rtol=1e-4)
+    g = PairGeometry(2, 1, 3, 3, 1, 2)
+    m = KVMapper.from_moments(merged, g, MapperConfig(top_k=1, ridge_lambda=1e-9, scaling="std"),
+                              blocks=lambda t, sources: (params[t][0], params[t][0]))
+    for t, (blocks, w, b) in params.items():
+        lm = m.layers[t]
+        torch.testing.assert_close(lm.w_k, w[:, :2], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(lm.w_v, w[:, 2:], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(lm.b_k, b[:2], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(lm.b_v, b[2:], atol=2e-3, rtol=1e-3)
+    assert float(m.fit_r2.min()) > 0.9999
+
+
+def test_prefix_layers_are_exact_and_the_rest_recompute_from_them(pair):
+    """prefix_layers=p: every row's K/V of layers < p are the target's own; the selected rows then run layers
+    p.. from the prefix's hidden states, which equals recomputing them through every layer (the old path).
+    Planted bug: the selected rows resume one layer late (`layers=range(e + 1, L)`) -> layer p K/V differ."""
+    from hf_kvreuse.generation.partial import partial_forward
+
+    src, tgt, mapper = pair
+    ids = _prompt(50, 13)
+    n = ids.shape[1] - 1
+    ref = _full(tgt, ids, 1)
+    c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector=RandomScorer(3), prefix_layers=2)
+    tgt.generate(ids, cache=c, max_new_tokens=1)
+    assert c.stats.exact_layers == 2
+    for (k, v), (rk, rv) in list(zip(kv_of(c), kv_of(ref.past_key_values)))[:2]:
+        torch.testing.assert_close(k[..., :n, :], rk[..., :n, :], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v[..., :n, :], rv[..., :n, :], atol=1e-4, rtol=1e-4)
+    # the old path: translate, every row through layers 0-1, the same rows through all layers from embeddings
+    probe = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.0)
+    kv = mapper.translate(kv_of(_src_cache(src, ids[:, :n])), torch.arange(n), probe._src_shifter, probe._shifter,
+                          torch.float32)
+    partial_forward(tgt, ids[:, :n], torch.arange(n), kv, layers=range(2))
+    partial_forward(tgt, ids[:, :n], c.selected_rows, kv, layers=range(len(kv)))
+    for (k, v), (wk, wv) in zip(kv_of(c), kv):
+        torch.testing.assert_close(k[..., :n, :], wk, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v[..., :n, :], wv, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="already exact"):
+        c2 = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="first-layer", prefix_layers=3)
+        tgt.generate(ids, cache=c2, max_new_tokens=1)
+
+
+def _src_cache(src, ids):
+    from transformers import DynamicCache
+    sc = DynamicCache(config=src.config)
+    src(input_ids=ids, use_cache=True, past_key_values=sc)
+    return sc
+
+
+def test_combined_scorer_averages_ranks():
+    """first-layer+rank combines by ranks, not raw scales. Planted bug: raw scores summed -> the large-scale
+    scorer alone decides the order."""
+
+    class Fixed(RandomScorer):
+        def __init__(self, s):
+            self.s = torch.tensor(s, dtype=torch.float)
+
+        def scores(self, cache, kv):
+            return self.s
+
+    big = Fixed([1000.0, 3000.0, 2000.0, 4000.0])   # order 0 < 2 < 1 < 3
+    small = Fixed([0.4, 0.1, 0.3, 0.2])              # order 1 < 3 < 2 < 0
+    c = CombinedScorer([big, small])
+    c.reset(4, torch.device("cpu"))
+    # ranks: big [0, 2, 1, 3], small [3, 0, 2, 1] -> sums [3, 2, 3, 4] / 3
+    torch.testing.assert_close(c.scores(None, None), torch.tensor([3.0, 2.0, 3.0, 4.0]) / 3)
+
+
+def test_pair_fit_uses_the_measured_default_of_the_kind(tmp_path, monkeypatch):
+    """`python -m hf_kvreuse.translation fit` makes the best measured kind (kv+hidden) with its measured ridge, and
+    qwen_pair_mapper passes each kind's ridge on. Planted bug: qwen_pair_mapper drops ``ridge_lambda=lam`` (the
+    hidden kinds are fitted at KVMapper.fit's 0.01, where they overfit) -> fails: the recorded ridge."""
+    from hf_kvreuse.translation import __main__ as cli
+    from hf_kvreuse.translation import pairs
+
+    seen = {}
+
+    class FakeMapper:
+        kind = "kv+hidden"
+        info = {}
+        layers = []
+
+        def save(self, path):
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "mapper.json").write_text("{}")
+
+    def fake_fit(source, target, calib, **kw):
+        seen.update(kw)
+        return FakeMapper()
+
+    monkeypatch.setattr(pairs, "calibration_ids", lambda tok, n, max_tokens: [torch.arange(8)])
+    monkeypatch.setattr(pairs.KVMapper, "fit", staticmethod(fake_fit))
+    monkeypatch.setattr("hf_kvreuse.models.load_qwen", lambda *a, **k: (object(), object()))
+    cli.main(["fit", "--out", str(tmp_path / "m"), "--calibration", "1"])
+    assert seen["inputs"] == pairs.FIT_DEFAULT_INPUTS == "kv+hidden"
+    assert seen["ridge_lambda"] == pairs.DEFAULT_RIDGE["kv+hidden"] == 0.3
+    for kind, lam in pairs.DEFAULT_RIDGE.items():
+        pairs.qwen_pair_mapper(object(), object(), object(), path=tmp_path / kind, inputs=kind, progress=False)
+        assert (seen["inputs"], seen["ridge_lambda"]) == (kind, lam)
+    pairs.qwen_pair_mapper(object(), object(), object(), path=tmp_path / "x", inputs="kv", ridge_lambda=0.5)
+    assert seen["ridge_lambda"] == 0.5

@@ -31,7 +31,7 @@ from ..model_check import check_donor
 from ..reprs import stats_repr
 from ..rope import RopeShifter
 from ..timing import now
-from ..translation.mapper import KVMapper
+from ..translation.mapper import KVMapper, run_source
 from ..translation.scorers import Scorer, make_scorer
 from .base import KVReuseCache
 
@@ -110,13 +110,22 @@ class TranslatedCache(KVReuseCache):
         The source model's own K/V of (at least) the prompt's first ``N - 1`` tokens, e.g. from the turn the
         source served before the switch: step 1 is skipped (``stats.source_prefill_s == 0``). Its first
         ``N - 1`` positions must be this prompt's tokens at positions ``0..N-2`` (the caller's promise).
+    source_hidden : dict, optional
+        With ``source_cache`` and a map that reads the source's hidden states (``mapper.hidden_layers``): the
+        normalised hidden states ``{layer: [T >= N-1, hidden]}`` of the same prefill
+        (:func:`~hf_kvreuse.translation.mapper.run_source` returns them). Without ``source_cache`` the source
+        prefill captures them itself.
+    prefix_layers : int, default=0
+        Leading target layers run for *every* row (exact K/V there; costs ``prefix_layers / L`` of a prefill);
+        the selected rows then recompute only the layers after them, from the prefix's hidden states. A scorer
+        that runs leading layers itself (``"first-layer"``) raises this to its own count.
     """
 
     requires = {"rope": True, "engine": True, "layers": True}
 
     def __init__(self, model, source_model, mapper: KVMapper, input_ids: torch.Tensor, recompute_ratio: float = 0.3,
                  selector: str | Scorer = "rank", sink_tokens: int = 4, suffix_tokens: int = 16, seed: int = 0,
-                 source_cache=None):
+                 source_cache=None, source_hidden: dict | None = None, prefix_layers: int = 0):
         from ..generation.mixin import enable
         from ..model_check import require
 
@@ -126,6 +135,8 @@ class TranslatedCache(KVReuseCache):
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
         if sink_tokens < 0 or suffix_tokens < 0:
             raise ValueError("sink_tokens and suffix_tokens must be >= 0")
+        if not 0 <= prefix_layers <= model.config.num_hidden_layers:
+            raise ValueError(f"prefix_layers must be in 0..{model.config.num_hidden_layers}, got {prefix_layers}")
         if source_model is model:
             raise ValueError("source_model is the target model itself: use a plain prefill (or OptimisticCache)")
         super().__init__(model)
@@ -154,12 +165,37 @@ class TranslatedCache(KVReuseCache):
                                  f"{g.source_layers} layers and the prompt needs {self.input_ids.shape[1] - 1}")
             check_donor(source_model, source_cache, self.input_ids, self.input_ids.shape[1] - 1,
                         who=type(self).__name__, what="source_cache (of the source model)")
-        self.source_cache = source_cache
+        need = mapper.hidden_layers
+        if source_cache is not None and need:
+            missing = [s for s in need if source_hidden is None or s not in source_hidden]
+            if missing:
+                raise ValueError(f"this KVMapper ({mapper.kind}) reads the source's hidden states of layers {missing}, "
+                                 "which a source cache does not hold: pass source_hidden= from the same prefill "
+                                 "(run_source), or no source_cache (the source prefill then runs)")
+            short = [s for s in need if source_hidden[s].shape[-2] < self.input_ids.shape[1] - 1]
+            if short:
+                raise ValueError(f"source_hidden of layers {short} covers fewer than the prompt's "
+                                 f"{self.input_ids.shape[1] - 1} tokens")
+        self.source_cache, self.source_hidden = source_cache, source_hidden
+        self.prefix_layers = prefix_layers
+        self._prefix_hidden = None
         self.exact_layers = 0
         self.selected_rows = torch.zeros(0, dtype=torch.long)
         self.stats = TranslatedStats(recompute_ratio=recompute_ratio, selector=self.scorer.name)
 
-    _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter", "source_cache")
+    _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter", "source_cache",
+                                                  "source_hidden")
+
+    def run_prefix(self, kv, n: int, layers: int) -> None:
+        """Run every row through target layers ``exact_layers .. layers - 1`` (their K/V become exact); keep the
+        rows' hidden states after them for the selected rows' recompute."""
+        if layers <= self.exact_layers:
+            return
+        rows = torch.arange(n, device=kv[0][0].device)
+        h = None if self.exact_layers == 0 else self._prefix_hidden
+        self._prefix_hidden = partial_forward(self.model, self.input_ids[:, :n], rows, kv,
+                                              layers=range(self.exact_layers, layers), hidden_states=h)
+        self.exact_layers = layers
 
     def select(self, scores: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
         """Rows to recompute: forced sinks and suffix, then the highest ``scores`` up to the budget."""
@@ -191,30 +227,49 @@ class TranslatedCache(KVReuseCache):
         t0 = now(device)
         # 1. source prefill (unless the source's own cache of the prompt was given)
         src_dev = input_device(self.source_model)
+        hidden = None
         if self.source_cache is not None:
             src_kv = [(k[..., :n, :], v[..., :n, :]) for k, v in kv_of(self.source_cache)]
             src_dev = src_kv[0][0].device
+            if self.mapper.hidden_layers:
+                hidden = {s: h.reshape(-1, h.shape[-1])[:n] for s, h in self.source_hidden.items()}
         else:
             src_cache = DynamicCache(config=self.source_model.config)
-            self.source_model(input_ids=ids.to(src_dev), use_cache=True, logits_to_keep=1, **cache_kwargs(src_cache))
+            if self.mapper.hidden_layers:
+                hidden = run_source(self.source_model, ids.to(src_dev), src_cache, self.mapper.hidden_layers)
+            else:
+                self.source_model(input_ids=ids.to(src_dev), use_cache=True, logits_to_keep=1,
+                                  **cache_kwargs(src_cache))
             src_kv = kv_of(src_cache)
         t1 = now(device)
         # 2. map (the scorer observes each target layer's mapped K/V on the way)
         dtype = next(model.parameters()).dtype
         self.scorer.reset(n, device)
         kv = self.mapper.translate(src_kv, torch.arange(n, device=src_dev), self._src_shifter,
-                                   self._shifter, dtype, device, observe=self.scorer.observe)
-        del src_kv
-        self.source_cache = None  # not held past the assembly
+                                   self._shifter, dtype, device, observe=self.scorer.observe, hidden=hidden)
+        del src_kv, hidden
+        self.source_cache = self.source_hidden = None  # not held past the assembly
         t2 = now(device)
-        # 3. select
-        self.exact_layers = 0
-        scores = self.scorer.scores(self, kv) if 0.0 < self.recompute_ratio < 1.0 else None
+        # 3. select (leading layers exact for every row first, when asked: a scorer may read them)
+        self.exact_layers, self._prefix_hidden = 0, None
+        partial = 0.0 < self.recompute_ratio < 1.0
+        if partial:
+            self.run_prefix(kv, n, self.prefix_layers)
+        scores = self.scorer.scores(self, kv) if partial else None
+        self.last_scores = scores
         rows, forced = self.select(scores, n)
         t3 = now(device)
-        # 4. recompute the selected rows through every target layer (all rows in order: the full prefill)
+        # 4. recompute the selected rows through the target layers after the exact prefix (all rows in order
+        # through every layer: the full prefill)
         if rows.numel():
-            partial_forward(model, ids, rows.to(device), kv, layers=range(len(kv)))
+            e = self.exact_layers
+            if e and self._prefix_hidden is not None:
+                if e < len(kv):
+                    partial_forward(model, ids, rows.to(device), kv, layers=range(e, len(kv)),
+                                    hidden_states=self._prefix_hidden[:, rows.to(device)])
+            else:
+                partial_forward(model, ids, rows.to(device), kv, layers=range(len(kv)))
+        self._prefix_hidden = None
         t4 = now(device)
         load_kv(self, kv)
         self.selected_rows = rows

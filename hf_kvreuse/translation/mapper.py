@@ -42,8 +42,12 @@ import torch
 from ..devices import input_device
 from ..kv import KV, kv_of
 from ..rope import RopeShifter
+from .moments import depth_band
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)   # 1: K->K / V->V maps only (no inputs_* / residual tensors)
+_KIND_CODE = {"k": 0, "v": 1, "h": 2}
+KINDS = ("k", "v", "h")
 
 
 class MapperMismatchError(ValueError):
@@ -78,6 +82,9 @@ class MapperConfig:
     ridge_lambda: float = 0.01   # relative ridge penalty
     stride: int = 4              # every stride-th calibration position
     skip_first: int = 4          # leading (attention-sink) positions of each sequence left out
+    inputs: str = "kv"           # INPUT_KINDS: what each target layer reads (the shipped map: "kv")
+    hidden_band: int = 1         # "hidden" kinds: source hidden states within this many layers of matched depth
+    scaling: str = "mean"        # ridge penalty: "mean" (one scale) or "std" (per standardised feature)
 
 
 def model_identity(model) -> dict:
@@ -161,19 +168,118 @@ class MapperStats:
 
 @dataclass
 class LayerMap:
-    """The maps of one target layer: ``y = x[:, cols] @ w + b`` for keys (content space) and values."""
+    """The maps of one target layer: ``K~ = x_K @ w_k + b_k`` and ``V = x_V @ w_v + b_v`` (content space), where
+    ``x_K`` / ``x_V`` concatenate the source feature blocks ``inputs_k`` / ``inputs_v`` (``(kind, layer)``,
+    kind ``"k"``, ``"v"`` or ``"h"``: :mod:`hf_kvreuse.translation.moments`). The shipped kind reads
+    ``("k", s)`` for keys and ``("v", s)`` for values of ``sources``; ``inputs_*`` None means exactly that.
+    ``residual`` (optional) adds a low-rank non-linear correction on the union of both inputs:
+    ``[K~ | V] += gelu(((x - mu) / sd) @ a + c) @ u``."""
 
-    sources: list[int]                     # the source layers it reads
-    w_k: torch.Tensor                      # [k*Fs, Ft]
+    sources: list[int]                     # the source layers whose K/V blocks it reads
+    w_k: torch.Tensor                      # [F_K, Ft]
     b_k: torch.Tensor                      # [Ft]
     w_v: torch.Tensor
     b_v: torch.Tensor
+    inputs_k: list | None = None           # [(kind, layer), ...]; None: [("k", s) for s in sources]
+    inputs_v: list | None = None
+    residual: dict | None = None           # {"mu", "sd": [F_u], "a": [F_u, r], "c": [r], "u": [r, 2 Ft]}
     # per kind ("k", "v"): mapped-output statistics, per target head [H, D(, D)]
     mean: dict = field(default_factory=dict)
     cov_vecs: dict = field(default_factory=dict)   # eigenvectors of W^T C_xx W (columns), descending eigenvalues
     cov_vals: dict = field(default_factory=dict)
     svd_vecs: dict = field(default_factory=dict)   # right singular vectors of W (columns), descending
     svd_vals: dict = field(default_factory=dict)
+
+    def blocks(self, kind: str) -> list[tuple[str, int]]:
+        """The feature blocks read for ``kind`` ("k": keys, "v": values)."""
+        given = self.inputs_k if kind == "k" else self.inputs_v
+        return [tuple(b) for b in given] if given is not None else [(kind, s) for s in self.sources]
+
+    def union_blocks(self) -> list[tuple[str, int]]:
+        """The residual's input: the key blocks, then the value blocks not already among them."""
+        bk = self.blocks("k")
+        return bk + [b for b in self.blocks("v") if b not in bk]
+
+
+def gather(blocks: list[tuple[str, int]], feats: list[tuple[torch.Tensor, torch.Tensor]],
+           hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Concatenate source feature blocks ``[T, F]``: ``("k", s)`` / ``("v", s)`` from the content K/V ``feats``,
+    ``("h", s)`` from the normalised hidden states ``hidden`` (:func:`run_source`)."""
+    parts = []
+    for kind, s in blocks:
+        if kind == "h":
+            if hidden is None or s not in hidden:
+                raise ValueError(f"this map reads the source's hidden state entering layer {s}; it was not given")
+            parts.append(hidden[s].float().to(feats[0][0].device))
+        else:
+            parts.append(feats[s][0 if kind == "k" else 1])
+    return torch.cat(parts, dim=-1)
+
+
+def _layer_map(sources: list[int], parts: dict, g: PairGeometry, inputs_k=None, inputs_v=None) -> LayerMap:
+    """A LayerMap from solved ``parts[name] = (w, b, C_xx of its inputs, mean_y)`` (float64), with the mapped-output
+    statistics the rank scorer reads: per target head the mean, the eigenbasis of ``W^T C_xx W`` and the right
+    singular vectors of ``W``."""
+    lm = LayerMap(sources, parts["k"][0].float(), parts["k"][1].float(), parts["v"][0].float(), parts["v"][1].float(),
+                  inputs_k=inputs_k, inputs_v=inputs_v)
+    heads, d = g.target_heads, g.target_dim
+    for name in ("k", "v"):
+        w, _, cxx, my = parts[name]
+        chat = w.T @ cxx @ w
+        cov_vecs, cov_vals, svd_vecs, svd_vals = [], [], [], []
+        for h in range(heads):
+            vals, vecs = torch.linalg.eigh(chat[h * d:(h + 1) * d, h * d:(h + 1) * d])
+            cov_vals.append(vals.flip(0).clamp_min(0))
+            cov_vecs.append(vecs.flip(1))
+            _, sv, vh = torch.linalg.svd(w[:, h * d:(h + 1) * d], full_matrices=False)
+            svd_vals.append(sv)
+            svd_vecs.append(vh.T)
+        lm.mean[name] = my.reshape(heads, d).float()
+        lm.cov_vecs[name], lm.cov_vals[name] = torch.stack(cov_vecs).float(), torch.stack(cov_vals).float()
+        lm.svd_vecs[name], lm.svd_vals[name] = torch.stack(svd_vecs).float(), torch.stack(svd_vals).float()
+    return lm
+
+
+def ridge_solve(cxx: torch.Tensor, cxy: torch.Tensor, lam: float, scaling: str = "mean") -> torch.Tensor:
+    """Ridge weights from centred moments. ``scaling="mean"``: ``(C + lam * mean(diag C) I)^-1 C_xy`` (the shipped
+    map; one penalty for all inputs); ``"std"``: the same on standardised inputs (each feature penalised relative
+    to its own variance: inputs of very different scales, e.g. K/V beside normalised hidden states)."""
+    eye = torch.eye(len(cxx), dtype=cxx.dtype)
+
+    def spd_solve(a, b):  # a is symmetric positive definite (ridge): Cholesky, LU if rounding broke that
+        chol, info = torch.linalg.cholesky_ex(a)
+        return torch.cholesky_solve(b, chol) if int(info) == 0 else torch.linalg.solve(a, b)
+
+    if scaling == "mean":
+        return spd_solve(cxx + lam * float(cxx.diagonal().mean().clamp_min(1e-12)) * eye, cxy)
+    if scaling != "std":
+        raise ValueError(f"scaling={scaling!r}: choose 'mean' or 'std'")
+    diag = cxx.diagonal()
+    sd = diag.clamp_min(1e-12 * float(diag.max().clamp_min(1e-30))).sqrt()
+    return spd_solve(cxx / torch.outer(sd, sd) + lam * eye, cxy / sd[:, None]) / sd[:, None]
+
+
+def _r2(w: torch.Tensor, cxx: torch.Tensor, cxy: torch.Tensor, vy: torch.Tensor) -> float:
+    sst = float(vy.sum().clamp_min(1e-30))
+    return 1.0 - (sst - 2 * float((w * cxy).sum()) + float((w * (cxx @ w)).sum())) / sst
+
+
+INPUT_KINDS = ("kv", "kv-both", "hidden", "kv+hidden")
+
+
+def input_blocks(inputs: str, sources: list[int], band: list[int]) -> tuple[list, list]:
+    """The blocks read by keys and by values for a map kind (:data:`INPUT_KINDS`)."""
+    kv = [(kind, s) for s in sources for kind in ("k", "v")]
+    h = [("h", s) for s in band]
+    if inputs == "kv":
+        return [("k", s) for s in sources], [("v", s) for s in sources]
+    if inputs == "kv-both":
+        return kv, kv
+    if inputs == "hidden":
+        return h, h
+    if inputs == "kv+hidden":
+        return kv + h, kv + h
+    raise ValueError(f"inputs={inputs!r}: choose one of {INPUT_KINDS}")
 
 
 class KVMapper:
@@ -251,36 +357,61 @@ class KVMapper:
                 w, fit = ridge(xi, yi)
                 fit_r2[t, kind] = fit
                 b = my[yi] - mx[xi] @ w
-                parts[name] = (w, b)
-                # mapped-output statistics per head: mean, covariance eigenbasis, W's right singular vectors
-                chat = w.T @ cxx[xi][:, xi] @ w
-                heads = g.target_heads
-                d = g.target_dim
-                cov_vecs, cov_vals, svd_vecs, svd_vals = [], [], [], []
-                for h in range(heads):
-                    blk = chat[h * d:(h + 1) * d, h * d:(h + 1) * d]
-                    vals, vecs = torch.linalg.eigh(blk)
-                    cov_vals.append(vals.flip(0).clamp_min(0))
-                    cov_vecs.append(vecs.flip(1))
-                    _, sv, vh = torch.linalg.svd(w[:, h * d:(h + 1) * d], full_matrices=False)
-                    svd_vals.append(sv)
-                    svd_vecs.append(vh.T)
-                parts[name + "_stats"] = (my[yi].reshape(heads, d), torch.stack(cov_vecs), torch.stack(cov_vals),
-                                          torch.stack(svd_vecs), torch.stack(svd_vals))
-            lm = LayerMap(sources, parts["k"][0].float(), parts["k"][1].float(), parts["v"][0].float(),
-                          parts["v"][1].float())
-            for name in ("k", "v"):
-                mean, cvec, cval, svec, sval = parts[name + "_stats"]
-                lm.mean[name], lm.cov_vecs[name], lm.cov_vals[name] = mean.float(), cvec.float(), cval.float()
-                lm.svd_vecs[name], lm.svd_vals[name] = svec.float(), sval.float()
-            layers.append(lm)
+                parts[name] = (w, b, cxx[xi][:, xi], my[yi])
+            layers.append(_layer_map(sources, parts, g))
         info = {"config": asdict(cfg), "calibration_rows": stats.n}
+        return cls(g, layers, r2, fit_r2, info=info)
+
+    @classmethod
+    def from_moments(cls, moments, geometry: PairGeometry, config: MapperConfig | None = None,
+                     blocks=None) -> "KVMapper":
+        """Solve the maps of any input kind from :class:`~hf_kvreuse.translation.moments.BlockMoments`.
+
+        The K/V source layers of each target layer are ranked as in :meth:`from_stats` (single-source R² of the
+        pooled K+V, ``top_k`` kept); ``config.inputs`` then says which blocks keys and values read
+        (:func:`input_blocks`). ``blocks(t, sources) -> (blocks_k, blocks_v)`` overrides that choice (ablations).
+        """
+        cfg = config or MapperConfig()
+        lay, g = moments.layout, geometry
+        if (g.source_layers, g.fs, g.target_layers, g.ft) != (lay.source_layers, lay.kv_width, moments.target_layers,
+                                                               moments.ft):
+            raise ValueError(f"moments of layout {lay} x {moments.target_layers} target layers do not match {g}")
+        if "hidden" in cfg.inputs and blocks is None and (moments.band is None or cfg.hidden_band > moments.band):
+            raise ValueError(f"inputs={cfg.inputs!r} with hidden_band={cfg.hidden_band} needs moments accumulated "
+                             f"with band >= {cfg.hidden_band} (got {moments.band})")
+        ft = moments.ft
+        k = min(cfg.top_k, g.source_layers)
+        r2 = moments.single_source_r2(cfg.ridge_lambda)
+        layers, fit_r2 = [], torch.zeros(g.target_layers, 2)
+        for t in range(g.target_layers):
+            sources = sorted(torch.topk(r2[t], k).indices.tolist())
+            band = depth_band(t, lay.source_layers, moments.target_layers, cfg.hidden_band)
+            bk, bv = blocks(t, sources) if blocks is not None else input_blocks(cfg.inputs, sources, band)
+            parts = {}
+            shared = None  # keys and values reading the same blocks: one factorisation, both outputs
+            if bk == bv:
+                cxx, cxy, vy, mx, my = moments.cov(bk, t)
+                shared = (cxx, cxy, vy, mx, my, ridge_solve(cxx, cxy, cfg.ridge_lambda, cfg.scaling))
+            for kind, (name, bl) in enumerate((("k", bk), ("v", bv))):
+                sl = slice(kind * ft, (kind + 1) * ft)
+                if shared is not None:
+                    cxx, cxy, vy, mx, my, w_all = shared
+                    w = w_all[:, sl]
+                else:
+                    cxx, cxy, vy, mx, my = moments.cov(bl, t)
+                    w = ridge_solve(cxx, cxy[:, sl], cfg.ridge_lambda, cfg.scaling)
+                fit_r2[t, kind] = _r2(w, cxx, cxy[:, sl], vy[sl])
+                parts[name] = (w, my[sl] - mx @ w, cxx, my[sl])
+            layers.append(_layer_map(sources, parts, g, inputs_k=[tuple(b) for b in bk],
+                                     inputs_v=[tuple(b) for b in bv]))
+        info = {"config": asdict(cfg), "calibration_rows": moments.n, "source_hidden_size": lay.hidden}
         return cls(g, layers, r2, fit_r2, info=info)
 
     @classmethod
     def fit(cls, source_model, target_model, calibration_ids: torch.Tensor | Iterable[torch.Tensor],
             top_k: int = 8, ridge_lambda: float = 0.01, stride: int = 4, skip_first: int = 4,
-            progress: bool = True, description: str = "") -> "KVMapper":
+            progress: bool = True, description: str = "", inputs: str = "kv", hidden_band: int = 1,
+            scaling: str | None = None) -> "KVMapper":
         """Fit the maps on calibration text.
 
         Parameters
@@ -290,8 +421,12 @@ class KVMapper:
             that the library's rotation strips and re-applies exactly.
         calibration_ids : LongTensor ``[B, T]`` or iterable of LongTensor ``[T]`` / ``[1, T]``
             Calibration sequences, run one at a time (memory does not grow with their number).
-        top_k, ridge_lambda, stride, skip_first
-            See :class:`MapperConfig`.
+        top_k, ridge_lambda, stride, skip_first, inputs, hidden_band
+            See :class:`MapperConfig`. ``inputs="kv"`` streams :class:`MapperStats` (the shipped map); the other
+            kinds stream :class:`~hf_kvreuse.translation.moments.BlockMoments` (the hidden kinds capture the
+            source's normalised hidden states with :func:`run_source`).
+        scaling : {"mean", "std"}, optional
+            Ridge penalty scaling; default "mean" for the K/V kinds, "std" for those that read hidden states.
         progress : bool
             Show a tqdm bar.
         description : str
@@ -300,8 +435,10 @@ class KVMapper:
         from ..model_check import require
         from tqdm.auto import tqdm
 
-        cfg = MapperConfig(top_k, ridge_lambda, stride, skip_first)
-        if stride < 1 or skip_first < 0 or top_k < 1 or ridge_lambda < 0:
+        if scaling is None:
+            scaling = "std" if "hidden" in inputs else "mean"
+        cfg = MapperConfig(top_k, ridge_lambda, stride, skip_first, inputs, hidden_band, scaling)
+        if stride < 1 or skip_first < 0 or top_k < 1 or ridge_lambda < 0 or hidden_band < 0 or inputs not in INPUT_KINDS:
             raise ValueError(f"invalid mapper config {cfg}")
         src_check = require(source_model, rope=True, who="KVMapper (source model)")
         tgt_check = require(target_model, rope=True, who="KVMapper (target model)")
@@ -309,7 +446,15 @@ class KVMapper:
                          target_model.config.num_hidden_layers, tgt_check.kv_heads, tgt_check.head_dim)
         src_shift = RopeShifter(source_model, layout=src_check.rope_layout)
         tgt_shift = RopeShifter(target_model, layout=tgt_check.rope_layout)
-        stats = MapperStats(g)
+        hidden = "hidden" in inputs
+        if inputs == "kv":
+            stats = MapperStats(g)
+        else:
+            from .moments import BlockLayout, BlockMoments, source_rows
+
+            layout = BlockLayout(g.source_layers, g.fs, source_model.config.hidden_size if hidden else 0)
+            stats = BlockMoments(layout, g.target_layers, g.ft, band=hidden_band if hidden else None,
+                                 cross=inputs == "kv+hidden")
         seqs = list(calibration_ids) if not isinstance(calibration_ids, torch.Tensor) else list(calibration_ids)
         t0 = time.perf_counter()
         tokens = 0
@@ -318,11 +463,16 @@ class KVMapper:
             if ids.shape[1] <= skip_first:
                 continue
             keep = torch.arange(skip_first, ids.shape[1], stride)
-            x = flat_features(_run_features(source_model, ids, src_shift))[keep]
+            if inputs == "kv":
+                x = flat_features(_run_features(source_model, ids, src_shift))[keep]
+            else:
+                feats, hid = _run_features(source_model, ids, src_shift, range(g.source_layers + 1) if hidden else ())
+                x = source_rows(layout, feats, hid if hidden else None)[keep]
             y = flat_features(_run_features(target_model, ids, tgt_shift))[keep]
             stats.add(x, y)
             tokens += ids.shape[1]
-        mapper = cls.from_stats(stats, cfg)
+        mapper = cls.from_stats(stats, cfg) if inputs == "kv" else cls.from_moments(stats, g, cfg)
+        mapper.info["moments_bytes"] = stats.nbytes if inputs != "kv" else (stats.xx.numel() + stats.xy.numel()) * 8
         mapper.identity = {"source": model_identity(source_model), "target": model_identity(target_model)}
         mapper.info.update(calibration_sequences=len(seqs), calibration_tokens=tokens, fit_s=time.perf_counter() - t0,
                            description=description,
@@ -331,13 +481,31 @@ class KVMapper:
         return mapper
 
     # -- applying ------------------------------------------------------------------------------------------
-    def map_layer(self, t: int, feats: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target layer ``t``'s content-space keys and values ``[T, H_t*D_t]`` (float32) from source features."""
+    @property
+    def hidden_layers(self) -> list[int]:
+        """Source layers whose normalised hidden state some target layer reads (empty for K/V-only maps)."""
+        return sorted({s for lm in self.layers for kind in ("k", "v") for (b, s) in lm.blocks(kind) if b == "h"})
+
+    @property
+    def kind(self) -> str:
+        return self.info.get("config", {}).get("inputs", "kv")
+
+    def map_layer(self, t: int, feats: list[tuple[torch.Tensor, torch.Tensor]],
+                  hidden: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer ``t``'s content-space keys and values ``[T, H_t*D_t]`` (float32) from source features:
+        ``feats`` the content K/V per source layer, ``hidden`` the normalised hidden states (maps that read them)."""
         lm = self.layers[t]
-        xk = torch.cat([feats[s][0] for s in lm.sources], dim=-1)
-        xv = torch.cat([feats[s][1] for s in lm.sources], dim=-1)
+        xk = gather(lm.blocks("k"), feats, hidden)
+        xv = xk if lm.blocks("v") == lm.blocks("k") else gather(lm.blocks("v"), feats, hidden)
         dev = xk.device
-        return (torch.addmm(lm.b_k.to(dev), xk, lm.w_k.to(dev)), torch.addmm(lm.b_v.to(dev), xv, lm.w_v.to(dev)))
+        k, v = torch.addmm(lm.b_k.to(dev), xk, lm.w_k.to(dev)), torch.addmm(lm.b_v.to(dev), xv, lm.w_v.to(dev))
+        if lm.residual is not None:
+            r = {n: x.to(dev) for n, x in lm.residual.items()}
+            xu = xk if lm.union_blocks() == lm.blocks("k") else gather(lm.union_blocks(), feats, hidden)
+            d = torch.nn.functional.gelu(torch.addmm(r["c"], (xu - r["mu"]) / r["sd"], r["a"])) @ r["u"]
+            ft = k.shape[-1]
+            k, v = k + d[:, :ft], v + d[:, ft:]
+        return k, v
 
     def to_cache_layout(self, flat: torch.Tensor) -> torch.Tensor:
         """``[T, H*D]`` -> ``[1, H, T, D]``."""
@@ -346,19 +514,24 @@ class KVMapper:
 
     def translate(self, source_kv: KV, positions: torch.Tensor, source_shifter: RopeShifter,
                   target_shifter: RopeShifter, dtype: torch.dtype, device: torch.device | None = None,
-                  observe=None) -> KV:
-        """Target-model K/V (post-RoPE at ``positions``) from a source cache.
+                  observe=None, hidden: dict[int, torch.Tensor] | None = None) -> KV:
+        """Target-model K/V (post-RoPE at ``positions``) from a source cache (and, for maps that read them, the
+        source's normalised hidden states ``hidden``: ``{layer: [T, hidden]}`` from :func:`run_source`).
 
         ``observe(t, keys_content, values)`` is called per target layer with the ``[T, H*D]`` float32 maps
         (scorers that read the mapped K/V use it).
         """
+        missing = [s for s in self.hidden_layers if hidden is None or s not in hidden]
+        if missing:
+            raise ValueError(f"this KVMapper ({self.kind}) reads the source's hidden states of layers {missing}; "
+                             "pass hidden= (run_source gives them)")
         device = device or source_kv[0][0].device
         feats = [(k.to(device), v.to(device)) for k, v in
                  content_features(source_kv, source_shifter, positions.to(source_kv[0][0].device))]
         cs = target_shifter.cos_sin(positions.to(device), device)
         out = []
         for t in range(self.geometry.target_layers):
-            kc, v = self.map_layer(t, feats)
+            kc, v = self.map_layer(t, feats, hidden)
             if observe is not None:
                 observe(t, kc, v)
             k = target_shifter.shift(self.to_cache_layout(kc), None, cs)
@@ -397,21 +570,27 @@ class KVMapper:
                 tensors[f"{t}.b_{name}"] = getattr(lm, f"b_{name}").float()
                 for attr in ("mean", "cov_vecs", "cov_vals", "svd_vecs", "svd_vals"):
                     tensors[f"{t}.{attr}_{name}"] = getattr(lm, attr)[name].float()
+                given = lm.inputs_k if name == "k" else lm.inputs_v
+                if given is not None:  # [n, 2]: (kind code, layer)
+                    tensors[f"{t}.inputs_{name}"] = torch.tensor([[_KIND_CODE[k], s] for k, s in given],
+                                                                 dtype=torch.int64).reshape(-1, 2)
+            for key, val in (lm.residual or {}).items():
+                tensors[f"{t}.residual.{key}"] = val.float()
         meta = {"format": "hf_kvreuse.KVMapper", "version": FORMAT_VERSION, "geometry": asdict(self.geometry),
                 "identity": self.identity, "info": self.info}
         return write_artifact(path, "mapper", tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, source_model=None, target_model=None) -> "KVMapper":
-        """Read a saved mapper (its sha256 and finite values verified: :class:`hf_kvreuse.artifacts.
-        CorruptArtifactError` otherwise); with the models given, refuse (:class:`MapperMismatchError`) another
-        pair."""
+        """Read a saved mapper (format 1: the K->K / V->V kind; format 2: any kind; its sha256 and finite values
+        verified: :class:`hf_kvreuse.artifacts.CorruptArtifactError` otherwise); with the models given, refuse
+        (:class:`MapperMismatchError`) another pair."""
         from ..artifacts import read_artifact, read_meta
 
         path = Path(path)
         meta = read_meta(path, "mapper", "KVMapper")
-        if meta.get("format") != "hf_kvreuse.KVMapper" or meta.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: not a KVMapper of format version {FORMAT_VERSION} ({meta.get('format')}, "
+        if meta.get("format") != "hf_kvreuse.KVMapper" or meta.get("version") not in READABLE_VERSIONS:
+            raise ValueError(f"{path}: not a KVMapper of format version {READABLE_VERSIONS} ({meta.get('format')}, "
                              f"{meta.get('version')})")
         ts, meta = read_artifact(path, "mapper", "KVMapper")
         g = PairGeometry(**meta["geometry"])
@@ -422,6 +601,15 @@ class KVMapper:
             for name in ("k", "v"):
                 for attr in ("mean", "cov_vecs", "cov_vals", "svd_vecs", "svd_vals"):
                     getattr(lm, attr)[name] = ts[f"{t}.{attr}_{name}"]
+                if f"{t}.inputs_{name}" in ts:
+                    setattr(lm, f"inputs_{name}", [(KINDS[c], s) for c, s in ts[f"{t}.inputs_{name}"].tolist()])
+            res = {key.split(".", 2)[2]: val for key, val in ts.items() if key.startswith(f"{t}.residual.")}
+            lm.residual = res or None
+            for name in ("k", "v"):  # the inputs must match the weights' rows
+                width = sum(g.fs if kind != "h" else int(meta["info"].get("source_hidden_size", 0)) for kind, _ in lm.blocks(name))
+                if width != getattr(lm, f"w_{name}").shape[0]:
+                    raise ValueError(f"{path}: target layer {t} {name}: inputs {lm.blocks(name)} are {width} wide, the "
+                                     f"weights have {getattr(lm, f'w_{name}').shape[0]} rows")
             layers.append(lm)
         mapper = cls(g, layers, ts["r2"], ts["fit_r2"], meta.get("identity"), meta.get("info"))
         if source_model is not None or target_model is not None:
@@ -442,14 +630,42 @@ class KVMapper:
 
 
 @torch.no_grad()
-def _run_features(model, ids: torch.Tensor, shifter: RopeShifter) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from transformers import DynamicCache
+def run_source(model, ids: torch.Tensor, cache, hidden_layers: Iterable[int] = ()) -> dict[int, torch.Tensor]:
+    """Forward ``ids`` ``[1, T]`` through ``model`` filling ``cache``; return the normalised residual stream that
+    enters each layer of ``hidden_layers`` (the output of its ``input_layernorm``: what its q/k/v projections
+    read), ``{s: [T, hidden] float32}``; ``s = num_hidden_layers`` is the final norm's output. Captured with
+    forward hooks on the norm modules (Llama-family layout), so the model's own forward is what runs."""
+    from ..compat import cache_kwargs
 
-    from ..compat import CACHE_KW
+    base = model.model
+    n_layers = len(base.layers)
+    grabbed: dict[int, torch.Tensor] = {}
+    hooks = []
+    for s in sorted(set(hidden_layers)):
+        if not 0 <= s <= n_layers:
+            raise ValueError(f"hidden layer {s} outside 0..{n_layers} of {type(model).__name__}")
+        mod = base.norm if s == n_layers else base.layers[s].input_layernorm
+        hooks.append(mod.register_forward_hook(lambda m, a, out, s=s: grabbed.__setitem__(s, out[0].float())))
+    try:
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+    finally:
+        for h in hooks:
+            h.remove()
+    return grabbed
+
+
+@torch.no_grad()
+def _run_features(model, ids: torch.Tensor, shifter: RopeShifter, hidden_layers=None):
+    """Content K/V per layer (CPU float32); with ``hidden_layers`` (possibly empty) also the normalised hidden
+    states ``{s: [T, hidden]}`` of :func:`run_source`: ``(feats, hidden)``."""
+    from transformers import DynamicCache
 
     device = input_device(model)
     ids = ids.to(device)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: cache})
+    hidden = run_source(model, ids, cache, hidden_layers or ())
     feats = content_features(kv_of(cache), shifter, torch.arange(ids.shape[1], device=device))
-    return [(k.cpu(), v.cpu()) for k, v in feats]
+    feats = [(k.cpu(), v.cpu()) for k, v in feats]
+    if hidden_layers is None:
+        return feats
+    return feats, {s: h.cpu() for s, h in hidden.items()}

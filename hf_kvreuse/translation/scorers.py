@@ -181,8 +181,15 @@ class FirstLayerDeviationScorer(Scorer):
         c = min(self.check_layer, len(kv) - 1)
         old = [t.clone() for t in kv[c]]
         n = kv[0][0].shape[-2]
-        rows = torch.arange(n, device=kv[0][0].device)
-        partial_forward(cache.model, cache.input_ids[:, :n], rows, kv, layers=range(0, c + 1))
+        if getattr(cache, "exact_layers", 0) > c:
+            raise ValueError(f"layer {c} is already exact (prefix_layers={cache.exact_layers}): the deviation from "
+                             "the mapped K/V is gone; check a layer at or after the prefix")
+        if hasattr(cache, "run_prefix"):  # TranslatedCache: keeps the rows' hidden states for their recompute
+            cache.run_prefix(kv, n, c + 1)
+        else:
+            rows = torch.arange(n, device=kv[0][0].device)
+            partial_forward(cache.model, cache.input_ids[:, :n], rows, kv, layers=range(0, c + 1))
+            cache.exact_layers = c + 1
         parts = {"keys": (0,), "values": (1,), "both": (0, 1)}[self.deviation]
         dev = torch.zeros(n, device=kv[0][0].device)
         for i in parts:
@@ -190,14 +197,50 @@ class FirstLayerDeviationScorer(Scorer):
             d, sq = kernels.token_deviation(kv[c][i], old[i], upcast=True, norm=True)
             # .to: on a model split over devices, layer c's K/V need not sit beside layer 0's
             dev += (d / sq.mean().clamp_min(1e-30)).to(dev.device)
-        cache.exact_layers = c + 1
         return dev
 
     def __repr__(self) -> str:
         return f"FirstLayerDeviationScorer(check_layer={self.check_layer}, deviation={self.deviation!r})"
 
 
-SCORERS = ("rank", "random", "oracle", "first-layer")
+class CombinedScorer(Scorer):
+    """Several scorers' rank-normalised scores, weighted: ``sum_i w_i rank_i(t) / (T - 1)``.
+
+    Ranks make scorers of unrelated scales commensurable (the first-layer deviation is a squared distance, the
+    rank disagreement an energy share). ``"first-layer+rank"``: CacheBlend's deviation with RaReCache's rank
+    disagreement, equal weights.
+    """
+
+    def __init__(self, scorers: list[Scorer], weights: list[float] | None = None):
+        if not scorers:
+            raise ValueError("CombinedScorer needs at least one scorer")
+        self.scorers = list(scorers)
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.scorers)
+        if len(self.weights) != len(self.scorers):
+            raise ValueError("one weight per scorer")
+        self.name = "+".join(s.name for s in self.scorers)
+
+    def reset(self, n_tokens, device):
+        super().reset(n_tokens, device)
+        for s in self.scorers:
+            s.reset(n_tokens, device)
+
+    def observe(self, layer, keys, values):
+        for s in self.scorers:
+            s.observe(layer, keys, values)
+
+    def scores(self, cache, kv):
+        total = torch.zeros(self.n_tokens)
+        for w, s in zip(self.weights, self.scorers):
+            sc = s.scores(cache, kv).float().cpu()
+            total += w * sc.argsort().argsort().float() / max(1, self.n_tokens - 1)
+        return total
+
+    def __repr__(self) -> str:
+        return f"CombinedScorer({self.scorers}, weights={self.weights})"
+
+
+SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank")
 
 
 def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
@@ -219,5 +262,7 @@ def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
         return OracleScorer(target_kv)
     if selector == "first-layer":
         return FirstLayerDeviationScorer()
+    if selector == "first-layer+rank":
+        return CombinedScorer([FirstLayerDeviationScorer(), RankDisagreementScorer(mapper)])
     raise ValueError(f"unknown selector {selector!r}: choose one of {SCORERS} (or rank-{{energy,whitened}}[-{{cov,svd}}]) "
                      "or pass a Scorer")
