@@ -269,13 +269,8 @@ def test_mapper_refused_for_another_pair(pair):
         mapper.check_pair(tiny_model("llama", seed=1), tgt)
 
 
-def test_save_load_round_trip(pair, tmp_path):
-    """safetensors + JSON: the loaded map translates to the same K/V; loading checks the pair; no pickle."""
-    src, tgt, mapper = pair
-    mapper.save(tmp_path / "m")
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["mapper.json", "mapper.safetensors"]
-    loaded = KVMapper.load(tmp_path / "m", src, tgt)
-    assert [lm.sources for lm in loaded.layers] == [lm.sources for lm in mapper.layers]
+def _same_translation(src, tgt, mapper, loaded):
+    """``loaded`` gives the same K/V as ``mapper`` in a TranslatedCache at ratio 0.3 (bit for bit)."""
     ids = _prompt()
     a = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
     b = TranslatedCache(tgt, src, loaded, ids, recompute_ratio=0.3)
@@ -283,6 +278,16 @@ def test_save_load_round_trip(pair, tmp_path):
     tgt.generate(ids, cache=b, max_new_tokens=1)
     for (ka, va), (kb, vb) in zip(kv_of(a), kv_of(b)):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_save_load_round_trip(pair, tmp_path):
+    """safetensors + JSON: the loaded map translates to the same K/V; loading checks the pair; no pickle."""
+    src, tgt, mapper = pair
+    mapper.save(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["mapper.json", "mapper.safetensors"]
+    loaded = KVMapper.load(tmp_path / "m", src, tgt)
+    assert [lm.sources for lm in loaded.layers] == [lm.sources for lm in mapper.layers]
+    _same_translation(src, tgt, mapper, loaded)
     with pytest.raises(MapperMismatchError):
         KVMapper.load(tmp_path / "m", tiny_model("qwen2", seed=5), tgt)
     with pytest.raises(FileNotFoundError):
@@ -413,17 +418,11 @@ def test_new_kinds_save_load_round_trip_and_refuse_another_pair(kind_pair, tmp_p
     loaded = KVMapper.load(tmp_path / "m", src, tgt)
     assert [lm.blocks("k") for lm in loaded.layers] == [lm.blocks("k") for lm in mapper.layers]
     assert [lm.blocks("v") for lm in loaded.layers] == [lm.blocks("v") for lm in mapper.layers]
-    ids = _prompt()
-    a = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
-    b = TranslatedCache(tgt, src, loaded, ids, recompute_ratio=0.3)
-    tgt.generate(ids, cache=a, max_new_tokens=1)
-    tgt.generate(ids, cache=b, max_new_tokens=1)
-    for (ka, va), (kb, vb) in zip(kv_of(a), kv_of(b)):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    _same_translation(src, tgt, mapper, loaded)
     with pytest.raises(MapperMismatchError, match="weights"):
         KVMapper.load(tmp_path / "m", tiny_model("qwen2", seed=5, **PAIRS["deeper-wider"][0]), tgt)
     with pytest.raises(MapperMismatchError):
-        TranslatedCache(tgt, tiny_model("qwen2", seed=6, **PAIRS["deeper-wider"][0]), mapper, ids)
+        TranslatedCache(tgt, tiny_model("qwen2", seed=6, **PAIRS["deeper-wider"][0]), mapper, _prompt())
 
 
 def test_format_1_maps_still_load(pair, tmp_path):
