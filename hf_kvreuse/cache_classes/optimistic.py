@@ -34,7 +34,7 @@ algorithm of METHODS.md §2.1, whose details are our reading of the abstract). A
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
@@ -106,6 +106,10 @@ class OptimisticStats:
         ``"commit"`` with ``gate=``: the step whose uncertain logits triggered the swap (None: no gate fired).
     repaired_tokens : int
         Donor rows recomputed before the first token (``repair="blend"`` / ``"epic"``); counted in ``new_tokens``.
+    draft_margins : list of float
+        Top-1 minus top-2 probability of the call's processed scores at every step decided from the optimistic
+        cache (drafts under ``"verify"``), in order. With ``first_divergence`` / ``accepted_tokens`` it tells
+        offline what any ``gate=`` threshold would have done to this call (README's gate curve).
     """
 
     __repr__ = stats_repr
@@ -132,6 +136,7 @@ class OptimisticStats:
     first_verified_token_s: float | None = None  # generate() entry -> the first token that will not be withdrawn
     gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
+    draft_margins: list[float] = field(default_factory=list)  # p1 - p2 at every optimistic step
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -483,17 +488,23 @@ class OptimisticCache(KVReuseCache):
         if self._replay is not None:
             self._count_divergence(outputs.logits[0, :-1], self._replay)
             self._replay = None
-        if self.gate is not None and not self._swapped and self._last_input_ids is not None:
-            self._gate(outputs)
+        if not self._swapped and self._last_input_ids is not None:
+            margin = self._margin(outputs)
+            self.stats.draft_margins.append(margin)
+            if self.gate is not None and margin < self.gate:
+                self._gate(outputs)
 
-    def _gate(self, outputs) -> None:
-        """commit + gate: if this optimistic step is uncertain, swap now and let generate choose this step's
-        token from the exact logits instead (its own selection reads ``outputs.logits`` after this hook)."""
+    def _margin(self, outputs) -> float:
+        """Top-1 minus top-2 probability of this optimistic step's processed scores."""
         ids = self._last_input_ids
         scores = self.process_logits(ids, outputs.logits[0, -1:], ids.shape[1])
         top = scores.softmax(-1).topk(2, dim=-1).values[0]
-        if float(top[0] - top[1]) >= self.gate:
-            return
+        return float(top[0] - top[1])
+
+    def _gate(self, outputs) -> None:
+        """commit + gate: this optimistic step is uncertain: swap now and let generate choose this step's
+        token from the exact logits instead (its own selection reads ``outputs.logits`` after this hook)."""
+        ids = self._last_input_ids
         n = self.input_ids.shape[1]
         generated = ids.shape[1] - n
         self._take_exact()
