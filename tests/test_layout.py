@@ -94,3 +94,22 @@ def test_loaders_take_dtype_names():
     assert as_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="'int8'"):
         load_offline("no-such-model", dtype="int8")
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):
+    """Loading in bfloat16 on a CPU that lacks AVX512-BF16 / AMX warns (it runs several times slower than float32
+    there); float32, a GPU device or a CPU with native bf16 does not."""
+    import warnings
+
+    from hf_kvreuse.models import loaders
+
+    assert isinstance(loaders.native_cpu_bf16(), bool)
+    monkeypatch.setattr(loaders, "native_cpu_bf16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="dtype='fp32'"):
+        loaders.warn_slow_dtype(torch.bfloat16, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaders.warn_slow_dtype(torch.float32, "cpu")
+        loaders.warn_slow_dtype(torch.bfloat16, "cuda")
+        monkeypatch.setattr(loaders, "native_cpu_bf16", lambda: True)
+        loaders.warn_slow_dtype(torch.bfloat16, "cpu")

@@ -285,6 +285,27 @@ def test_gate_swaps_at_the_first_uncertain_step(llama, held):
     assert int(out[0, n + first]) == int(exact_next)
 
 
+def test_draft_margins_are_each_optimistic_steps_margin(llama, held):
+    """``stats.draft_margins`` holds, for every step decided from the optimistic cache, the top-1 minus top-2
+    probability of the scores generate chose from (commit), and one margin per draft under verify: what
+    scripts/gate_curve.py reads to replay any gate threshold offline.
+
+    Planted bug that fails it: the margin is recorded from the raw logits' softmax of the *first* row (the prompt's
+    first position) instead of the last (the step's own distribution)."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    commit = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=5, rebase="commit")
+    out = _full(llama, ids_b, cache=commit, max_new_tokens=8, do_sample=False)
+    margins = [float(torch.softmax(s[0].float(), -1).topk(2).values.diff().abs()) for s in out.scores[:5]]
+    assert len(commit.stats.draft_margins) == commit.stats.optimistic_tokens == 5
+    torch.testing.assert_close(torch.tensor(commit.stats.draft_margins), torch.tensor(margins), atol=1e-5, rtol=0)
+    verify = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=5, rebase="verify")
+    llama.generate(ids_b, cache=verify, max_new_tokens=8, do_sample=False)
+    s = verify.stats
+    assert len(s.draft_margins) == s.accepted_tokens + s.rejected_tokens == 5
+    torch.testing.assert_close(torch.tensor(s.draft_margins), torch.tensor(margins), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("repair", ["blend", "epic"])
 def test_full_repair_is_plain_generate(llama, held, repair):
     """Repairing every reused row (``repair_ratio=1``, or ``repair_tokens`` longer than every span) makes the

@@ -1,0 +1,146 @@
+"""Confidence-gate threshold curve of ``rebase="commit"``, computed from one ``auto-verify`` bench run (issue 23).
+
+    python scripts/gate_curve.py benchmarks/results/bench/verify/bench.json \
+        --out benchmarks/results/gate_curve.json
+
+Why one verify run is enough. Under ``rebase="verify"`` every call of the workflow sees exactly full prefill's
+prompt (the verified output is plain ``generate``'s), and each optimistic call records, per draft step, the top-1
+minus top-2 probability of its scores (``draft_margins``) and how many drafts exact decoding accepted before the
+first one it rejected (``accepted_tokens``). ``commit`` with ``gate=t`` emits the same drafts from the same cache
+until the first step whose margin is below ``t`` (that step's token comes from the exact cache) or the swap. So for
+every threshold this script knows, per call, whether ``commit + gate=t`` would have emitted only tokens exact
+decoding chooses ("clean"). A workflow whose calls are all clean gives full prefill's answers token for token
+(its prompts stay identical by induction), so the share of all-clean workflows is a **lower bound** on final-answer
+agreement: an unclean call may still end with the same final answer. The bound at ``t = 0`` (no gate) and at the
+session's ``gate=0.5`` can be checked against measured ``auto-commit`` / ``auto-commit-gate`` runs (``--measured``).
+
+TTFT under a gate: unchanged when the gate fires after the first token; when it fires at the first token, the
+call waits for the exact prefill, estimated as the optimistic TTFT plus the measured background prefill
+(``background_prefill_s``, measured while drafts ran beside it: a slight overestimate on this 2-core CPU). Ratios
+are per call against the full-prefill call at the same question and turn (same prompt), then the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+from hf_kvreuse.cli import wilson
+
+THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+def call_under_gate(c: dict, t: float) -> tuple[bool, int | None]:
+    """``(clean, gated_step)`` of one verified optimistic call's stats under ``commit + gate=t``."""
+    margins = c.get("draft_margins")
+    if margins is None:
+        raise SystemExit("this bench.json has no draft_margins: rerun auto-verify with a library that records them")
+    drafts = (c.get("accepted_tokens") or 0) + (c.get("rejected_tokens") or 0)
+    wrong = c["accepted_tokens"] if c.get("rejected_tokens") else None
+    gated = next((i for i, m in enumerate(margins) if m < t), None)
+    emitted = drafts if gated is None else min(gated, drafts)
+    return (wrong is None or wrong >= emitted), gated
+
+
+def curve(records: list[dict], thresholds=THRESHOLDS) -> dict:
+    full = {(r["workflow"], r["context_tokens"], r["question"]): r for r in records if r["method"] == "full"}
+    verify = [r for r in records if r["method"] == "auto-verify"]
+    if not verify:
+        raise SystemExit("no auto-verify records in this bench.json")
+    rows = []
+    for t in thresholds:
+        clean_calls = calls = gated_first = 0
+        all_clean = 0
+        ratios = []
+        for r in verify:
+            ref = full.get((r["workflow"], r["context_tokens"], r["question"]))
+            ok = True
+            for i, turn in enumerate(r["turns"]):
+                s, c = turn["stats"], turn["stats"].get("cache_stats") or {}
+                ttft = s["ttft_s"]
+                if s.get("method") == "optimistic" and c.get("rebase") == "verify":
+                    calls += 1
+                    clean, gated = call_under_gate(c, t)
+                    clean_calls += clean
+                    ok &= clean
+                    if gated == 0:
+                        gated_first += 1
+                        ttft = ttft + (c.get("background_prefill_s") or 0.0)
+                if ref is not None:
+                    ratios.append(ttft / ref["turns"][i]["stats"]["ttft_s"])
+            all_clean += ok
+        n = len(verify)
+        rows.append(dict(gate=t, workflows=n, agreement_lower_bound=all_clean / n,
+                         agreement_lower_bound_ci=wilson(all_clean, n), optimistic_calls=calls,
+                         clean_call_share=clean_calls / max(calls, 1), gated_at_first_token=gated_first,
+                         ttft_ratio=statistics.median(ratios) if ratios else None))
+    return dict(rows=rows)
+
+
+def measured(records: list[dict]) -> list[dict]:
+    """Agreement and median TTFT / full of the commit runs in the same file (to check the bound against)."""
+    out = []
+    for m in ("auto", "auto-commit", "auto-commit-gate"):
+        rs = [r for r in records if r["method"] == m]
+        if rs:
+            k = sum(bool(r.get("agrees")) for r in rs)
+            out.append(dict(method=m, n=len(rs), agreement=k / len(rs), agreement_ci=wilson(k, len(rs)),
+                            ttft_ratio=statistics.median(t["ttft_ratio"] for r in rs for t in r["turns"])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench_json", nargs="+", help="bench.json files (merged in order; full and auto-verify needed)")
+    p.add_argument("--out", default="benchmarks/results/gate_curve.json")
+    a = p.parse_args(argv)
+    records = [r for f in a.bench_json for r in json.loads(Path(f).read_text())["records"]]
+    result = dict(config=dict(command="scripts/gate_curve.py", inputs=a.bench_json, thresholds=list(THRESHOLDS)),
+                  **curve(records), measured=measured(records))
+    try:
+        result["config"]["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                        text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print("| gate | optimistic calls clean | final answer = full's (lower bound) [95% CI] | gated at token 1 "
+          "| TTFT / full |\n|---|---|---|---|---|")
+    for r in result["rows"]:
+        lo, hi = r["agreement_lower_bound_ci"]
+        print(f"| {r['gate']:g} | {100 * r['clean_call_share']:.0f}% | {100 * r['agreement_lower_bound']:.0f}% "
+              f"[{100 * lo:.0f}, {100 * hi:.0f}] | {r['gated_at_first_token']} / {r['optimistic_calls']} "
+              f"| {r['ttft_ratio']:.2f} |")
+    for m in result["measured"]:
+        lo, hi = m["agreement_ci"]
+        print(f"measured {m['method']}: agreement {100 * m['agreement']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] "
+              f"(n = {m['n']}), TTFT / full {m['ttft_ratio']:.2f}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    xs = [r["ttft_ratio"] for r in result["rows"]]
+    ys = [r["agreement_lower_bound"] for r in result["rows"]]
+    ax.plot(xs, ys, "o-", label="commit + gate (lower bound, from verify)")
+    for r in result["rows"]:
+        ax.annotate(f"{r['gate']:g}", (r["ttft_ratio"], r["agreement_lower_bound"]), fontsize=6)
+    for m in result["measured"]:
+        ax.plot([m["ttft_ratio"]], [m["agreement"]], "s", label=f"measured {m['method']}")
+    ax.set_xlabel("median TTFT / full prefill")
+    ax.set_ylabel("final answer = full prefill's")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
