@@ -290,8 +290,7 @@ def test_draft_margins_are_each_optimistic_steps_margin(llama, held):
     probability of the scores generate chose from (commit), and one margin per draft under verify: what
     scripts/gate_curve.py reads to replay any gate threshold offline.
 
-    Planted bug that fails it: the margin is recorded from the raw logits' softmax of the *first* row (the prompt's
-    first position) instead of the last (the step's own distribution)."""
+    Planted bug that fails it: ``_margin`` returns the top-1 probability instead of top-1 minus top-2."""
     ids_a, ids_b = _agents()
     cache_a, seq_a = _donor(llama, ids_a)
     commit = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=5, rebase="commit")
