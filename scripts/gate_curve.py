@@ -14,8 +14,8 @@ decoding chooses ("clean"). A workflow whose calls are all clean gives full pref
 agreement: an unclean call may still end with the same final answer. The bound at ``t = 0`` (no gate) and at the
 session's ``gate=0.5`` can be checked against measured ``auto-commit`` / ``auto-commit-gate`` runs (``--measured``).
 
-TTFT under a gate: unchanged when the gate fires after the first token; when it fires at the first token, the
-call waits for the exact prefill, estimated as the optimistic TTFT plus the measured background prefill
+TTFT under a gate: the first draft's (``draft_ttft_s``) when the gate fires after the first token; when it fires at
+the first token, the call waits for the exact prefill, estimated as the first draft's TTFT plus the background prefill
 (``background_prefill_s``, measured while drafts ran beside it: a slight overestimate on this 2-core CPU). Ratios
 are per call against the full-prefill call at the same question and turn (same prompt), then the median.
 """
@@ -60,7 +60,8 @@ def curve(records: list[dict], thresholds=THRESHOLDS) -> dict:
             ok = True
             for i, turn in enumerate(r["turns"]):
                 s, c = turn["stats"], turn["stats"].get("cache_stats") or {}
-                ttft = s["ttft_s"]
+                # the first token decoded (a draft under verify; the session's ttft_s is the first verified one)
+                ttft = turn.get("draft_ttft_s", s["ttft_s"])
                 if s.get("method") == "optimistic" and c.get("rebase") == "verify":
                     calls += 1
                     clean, gated = call_under_gate(c, t)
@@ -77,7 +78,12 @@ def curve(records: list[dict], thresholds=THRESHOLDS) -> dict:
                          agreement_lower_bound_ci=wilson(all_clean, n), optimistic_calls=calls,
                          clean_call_share=clean_calls / max(calls, 1), gated_at_first_token=gated_first,
                          ttft_ratio=statistics.median(ratios) if ratios else None))
-    return dict(rows=rows)
+    # where exact decoding first rejects a draft (index of the first wrong optimistic token), over every call
+    first_wrong = [t["stats"]["cache_stats"]["accepted_tokens"] for r in verify for t in r["turns"]
+                   if (t["stats"].get("cache_stats") or {}).get("rejected_tokens")]
+    calls = sum(1 for r in verify for t in r["turns"] if (t["stats"].get("cache_stats") or {}).get("rebase") == "verify")
+    return dict(rows=rows, optimistic_calls=calls, calls_with_a_wrong_draft=len(first_wrong),
+                first_wrong_draft_index={str(i): first_wrong.count(i) for i in sorted(set(first_wrong))})
 
 
 def measured(records: list[dict]) -> list[dict]:
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['gate']:g} | {100 * r['clean_call_share']:.0f}% | {100 * r['agreement_lower_bound']:.0f}% "
               f"[{100 * lo:.0f}, {100 * hi:.0f}] | {r['gated_at_first_token']} / {r['optimistic_calls']} "
               f"| {r['ttft_ratio']:.2f} |")
+    print(f"calls with a wrong draft: {result['calls_with_a_wrong_draft']} of {result['optimistic_calls']}; index of the "
+          f"first wrong draft: {result['first_wrong_draft_index']}")
     for m in result["measured"]:
         lo, hi = m["agreement_ci"]
         print(f"measured {m['method']}: agreement {100 * m['agreement']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] "

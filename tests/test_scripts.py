@@ -154,3 +154,33 @@ def test_gpu_check_script_without_gpu(tmp_path):
     assert res["steps"]["pytest_gpu"]["rc"] == 0 and res["steps"]["gpu_kernels"]["rc"] == 0 and res["tests"]
     assert all(t["outcome"] == "skipped" for t in res["tests"])
     assert "no CUDA device" in res["steps"]["kernels"]["log_tail"]
+
+
+def test_gate_curve_replays_thresholds_from_verified_drafts():
+    """scripts/gate_curve.py: a verified call whose first wrong draft is at index 2 is clean under a gate that fires
+    at step 0, 1 or 2 and unclean under one that fires later or never; a gate at the first token adds the background
+    prefill to that call's TTFT; a workflow agrees only if every call is clean. Planted bug that fails it: the gate
+    step compared with ``<=`` (``wrong > emitted``), which calls a gate firing exactly at the wrong draft unclean."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gate_curve
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+    def call(margins, accepted, rejected, bg=5.0):
+        return dict(draft_ttft_s=1.0, stats=dict(method="optimistic", ttft_s=9.0, cache_stats=dict(
+            rebase="verify", draft_margins=margins, accepted_tokens=accepted, rejected_tokens=rejected,
+            background_prefill_s=bg)))
+
+    wrong_at_2 = call([0.9, 0.8, 0.3, 0.9], 2, 2)
+    assert gate_curve.call_under_gate(wrong_at_2["stats"]["cache_stats"], 0.5) == (True, 2)
+    assert gate_curve.call_under_gate(wrong_at_2["stats"]["cache_stats"], 0.2) == (False, None)
+    assert gate_curve.call_under_gate(wrong_at_2["stats"]["cache_stats"], 0.85) == (True, 1)
+    all_right = call([0.4, 0.9], 2, 0)
+    full = dict(method="full", workflow="w", context_tokens=1, question=0,
+                turns=[dict(stats=dict(method="full", ttft_s=10.0))] * 2)
+    verify = dict(method="auto-verify", workflow="w", context_tokens=1, question=0, turns=[wrong_at_2, all_right])
+    rows = {r["gate"]: r for r in gate_curve.curve([full, verify], thresholds=(0.0, 0.5))["rows"]}
+    assert rows[0.0]["agreement_lower_bound"] == 0.0 and rows[0.0]["clean_call_share"] == 0.5
+    assert rows[0.5]["agreement_lower_bound"] == 1.0 and rows[0.5]["gated_at_first_token"] == 1
+    assert rows[0.0]["ttft_ratio"] == 0.1 and rows[0.5]["ttft_ratio"] == (0.1 + 0.6) / 2
