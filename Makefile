@@ -10,14 +10,18 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
+.PHONY: install demo test test-bench-smoke test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
 install: $(VENV)/.installed
 
 demo: install
 	$(PY) examples/demo.py
 
+# every test but the benchmark smoke runs (minutes each; .ci/run runs those too, with make test-bench-smoke)
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not bench_smoke"
+
+test-bench-smoke: install
+	$(PY) -m pytest -q -m bench_smoke
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -32,9 +32,12 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench_smoke
 def test_base_lr_benchmark_smoke(tmp_path):
     """benchmarks/base_lr.py end to end on a tiny trace (shipped SmolLM2 role adapters). The timeout is generous:
-    the run takes a minute or two alone, but over 10 minutes on the 2-core machine next to a benchmark."""
+    the run took a minute or two alone on a fast day, 342 s alone on 2026-12-01, and over 10 minutes next to a
+    benchmark. Not in ``make test`` (which it alone would push past 15 minutes): ``make test-bench-smoke``, run by
+    ``.ci/run``."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_lr.py"), "--scale", "0.02", "--repeats",
                            "1", "--items", "1", "--observation", "96", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=1500, env=ENV)
