@@ -136,7 +136,7 @@ class OptimisticStats:
     first_verified_token_s: float | None = None  # generate() entry -> the first token that will not be withdrawn
     gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
-    draft_margins: list[float] = field(default_factory=list)  # p1 - p2 at every optimistic step
+    draft_margins: list[float] = field(default_factory=list, repr=False)  # p1 - p2 at every optimistic step
 
     def as_dict(self) -> dict:
         return asdict(self)
