@@ -109,7 +109,8 @@ class OptimisticStats:
     draft_margins : list of float
         Top-1 minus top-2 probability of the call's processed scores at every step decided from the optimistic
         cache (drafts under ``"verify"``), in order. With ``first_divergence`` / ``accepted_tokens`` it tells
-        offline what any ``gate=`` threshold would have done to this call (README's gate curve).
+        offline what any ``gate=`` threshold would have done to this call (README's gate curve). Recorded with
+        ``record_divergence=True`` (the default) or a gate.
     """
 
     __repr__ = stats_repr
@@ -488,7 +489,8 @@ class OptimisticCache(KVReuseCache):
         if self._replay is not None:
             self._count_divergence(outputs.logits[0, :-1], self._replay)
             self._replay = None
-        if not self._swapped and self._last_input_ids is not None:
+        # diagnostics off and no gate: no per-step softmax and host sync on the hot path
+        if not self._swapped and self._last_input_ids is not None and (self.record_divergence or self.gate is not None):
             margin = self._margin(outputs)
             self.stats.draft_margins.append(margin)
             if self.gate is not None and margin < self.gate:
