@@ -17,6 +17,13 @@ Three parts, one run, one JSON (``benchmarks/results/translated.json``) and two 
    (``source_cache=``): it does not change the K/V, only the time, which part 1 measures.
 
     python benchmarks/translated.py [--n 100] [--ratios 0 0.1 0.3 0.5 1] [--timing-n 6]
+
+``--timing-only`` runs part 1 alone; ``--timing-selectors`` times several scorers side by side (each prompt runs
+full, every selector and the source alone in alternating order); the first one fills the summary's ``timing``,
+each one ``timing_by_selector``. ``--dtype fp32`` on CPUs without native bf16 (about 5x faster here)::
+
+    python benchmarks/translated.py --timing-only --dtype fp32 --timing-selectors first-layer rank \
+        --out benchmarks/results/translated_timing_fp32.json
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import transformers
 from transformers import DynamicCache
 
 import hf_kvreuse
-from hf_kvreuse import (FirstLayerDeviationScorer, OracleScorer, RandomScorer, RankDisagreementScorer, TranslatedCache,
+from hf_kvreuse import (FirstLayerDeviationScorer, KVMapper, OracleScorer, RandomScorer, RankDisagreementScorer, TranslatedCache,
                         enable)
 from hf_kvreuse.compat import cache_kwargs
 from hf_kvreuse.kv import kv_of
@@ -107,19 +114,25 @@ def main(argv=None) -> None:
     p.add_argument("--timing-ratio", type=float, default=0.3)
     p.add_argument("--threads", type=int, default=2, help="torch threads for the timing part")
     p.add_argument("--acc-threads", type=int, default=None, help="torch threads for parts 2-3 (default: --threads)")
+    p.add_argument("--timing-selectors", nargs="+", default=["first-layer"],
+                   help="scorers timed side by side in part 1 (the first fills summary.timing)")
+    p.add_argument("--timing-only", action="store_true", help="run part 1 (time) only")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--map", default=None, help="a KVMapper folder (default: qwen_pair_mapper()'s, fitted if absent)")
     p.add_argument("--out", default=str(HERE / "results" / "translated.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    src, tok = load_qwen("0.5b", dtype=torch.bfloat16)
-    tgt, _ = load_qwen("1.5b", dtype=torch.bfloat16)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    src, tok = load_qwen("0.5b", dtype=dtype)
+    tgt, _ = load_qwen("1.5b", dtype=dtype)
     enable(tgt)
     enable(src)
-    mapper = qwen_pair_mapper(src, tgt, tok)
+    mapper = KVMapper.load(a.map, src, tgt) if a.map else qwen_pair_mapper(src, tgt, tok)
     items = squad()
     meta = {"command": "python benchmarks/translated.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "args": vars(a), "torch": torch.__version__, "transformers": transformers.__version__,
             "hf_kvreuse": hf_kvreuse.__version__, "machine": platform.processor() or platform.machine(),
-            "threads": a.threads, "dtype": "bfloat16", "mapper": repr(mapper), "mapper_info": mapper.info,
+            "threads": a.threads, "dtype": str(dtype).split(".")[-1], "mapper": repr(mapper), "map_path": a.map, "mapper_info": mapper.info,
             "date": time.strftime("%Y-%m-%d %H:%M")}
     print(meta["mapper"], flush=True)
 
@@ -132,25 +145,37 @@ def main(argv=None) -> None:
         suffix = qa_chat_ids(tok, ctx, it.question)[1]
         if i == 0:
             ttft(tgt, ids)  # warm-up
-        row = {"tokens": ids.shape[1]}
-        order = ["full", "translated", "source"] if i % 2 == 0 else ["source", "translated", "full"]
-        for what in order:
+        row = {"tokens": ids.shape[1], "by_selector": {}}
+        order = ["full"] + [("translated", sel) for sel in a.timing_selectors] + ["source"]
+        for what in (order if i % 2 == 0 else order[::-1]):
             if what == "full":
                 row["full_s"] = ttft(tgt, ids)
             elif what == "source":
                 row["source_s"] = ttft(src, ids)
             else:
-                c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=a.timing_ratio, suffix_tokens=suffix)
-                row["translated_s"] = ttft(tgt, ids, cache=c)
-                row.update({f"t_{k}": v for k, v in c.stats.as_dict().items()})
-        row["speedup"] = row["full_s"] / row["translated_s"]
-        rec = row["t_recomputed_tokens"] / row["t_prompt_tokens"]
-        row["bound"] = 1.0 / (row["t_source_prefill_s"] / row["full_s"] + rec + row["t_map_s"] / row["full_s"])
+                c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=a.timing_ratio, suffix_tokens=suffix,
+                                    selector=what[1])
+                t = ttft(tgt, ids, cache=c)
+                row["by_selector"][what[1]] = dict({f"t_{k}": v for k, v in c.stats.as_dict().items()},
+                                                   translated_s=t)
+        for sel, r in row["by_selector"].items():
+            r["speedup"] = row["full_s"] / r["translated_s"]
+            rec = r["t_recomputed_tokens"] / r["t_prompt_tokens"]
+            r["bound"] = 1.0 / (r["t_source_prefill_s"] / row["full_s"] + rec + r["t_map_s"] / row["full_s"])
+        row.update(row["by_selector"][a.timing_selectors[0]])  # the first selector's figures at the top level
         timing.append(row)
         print(f"timing {i}: {row['tokens']} tok, full {row['full_s']:.2f}s translated {row['translated_s']:.2f}s "
               f"(source {row['t_source_prefill_s']:.2f} map {row['t_map_s']:.3f} select {row['t_select_s']:.3f} "
               f"recompute {row['t_recompute_s']:.2f}) speedup {row['speedup']:.2f} bound {row['bound']:.2f}",
               flush=True)
+    if a.timing_only:
+        summary = {"timing": timing_summary(timing, a), "timing_by_selector": {
+            sel: timing_summary([dict(r, **r["by_selector"][sel]) for r in timing], a) for sel in a.timing_selectors}}
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing}, indent=1))
+        print(json.dumps(summary, indent=1))
+        return
 
     # -- 2. scorer validation on held-out DROP prompts --------------------------------------------------------
     torch.set_num_threads(a.acc_threads or a.threads)
@@ -239,18 +264,26 @@ def main(argv=None) -> None:
     summary["rows"] = rows
     summary["validation"] = {k: {"spearman_mean": statistics.mean(v["spearman"]),
                                  "top30_overlap_mean": statistics.mean(v["overlap"])} for k, v in validation.items()}
-    med = lambda key: statistics.median(r[key] for r in timing)  # noqa: E731
-    summary["timing"] = {"n": len(timing), "tokens_median": med("tokens"), "full_s": med("full_s"),
-                         "translated_s": med("translated_s"), "source_alone_s": med("source_s"),
-                         "source_prefill_s": med("t_source_prefill_s"), "map_s": med("t_map_s"),
-                         "select_s": med("t_select_s"), "recompute_s": med("t_recompute_s"),
-                         "speedup": med("speedup"), "bound": med("bound"),
-                         "speedup_share_of_bound": med("speedup") / med("bound"), "ratio": a.timing_ratio}
+    summary["timing"] = timing_summary(timing, a)
+    summary["timing_by_selector"] = {sel: timing_summary([dict(r, **r["by_selector"][sel]) for r in timing], a)
+                                     for sel in a.timing_selectors}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing, "items": per_item}, indent=1))
     print(json.dumps(summary, indent=1))
     plot(summary, out.with_suffix(""))
+
+
+def timing_summary(timing: list[dict], a) -> dict:
+    """Medians over the timing prompts of one selector's rows."""
+    med = lambda key: statistics.median(r[key] for r in timing)  # noqa: E731
+    return {"n": len(timing), "tokens_median": med("tokens"), "full_s": med("full_s"),
+            "translated_s": med("translated_s"), "source_alone_s": med("source_s"),
+            "source_prefill_s": med("t_source_prefill_s"), "map_s": med("t_map_s"),
+            "select_s": med("t_select_s"), "recompute_s": med("t_recompute_s"),
+            "speedup": med("speedup"), "bound": med("bound"),
+            "speedup_share_of_bound": med("speedup") / med("bound"), "ratio": a.timing_ratio,
+            "selector": timing[0].get("t_selector")}
 
 
 def markdown(path: str) -> str:
@@ -259,24 +292,31 @@ def markdown(path: str) -> str:
     s = d["summary"]
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
     ci = lambda c: f"[{100 * c[0]:.0f}, {100 * c[1]:.0f}]"  # noqa: E731
-    lines = [f"n = {s['n']} SQuAD questions; target full prefill accuracy {pct(s['full_accuracy'])} "
-             f"{ci(s['full_ci'])}; source alone {pct(s['source_alone']['accuracy'])} (retention "
-             f"{pct(s['source_alone']['retention'])} {ci(s['source_alone']['retention_ci'])}, agreement "
-             f"{pct(s['source_alone']['agreement'])})", "",
-             "| ratio | scorer | recomputed | accuracy | retention [95% CI] | agreement with full prefill [95% CI] |",
-             "|---|---|---|---|---|---|"]
-    for r in s["rows"]:
-        lines.append(f"| {r['ratio']} | {r['scorer']} | {pct(r['recomputed_share'])} | {pct(r['accuracy'])} | "
-                     f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} {ci(r['agreement_ci'])} |")
-    v = s["validation"]
-    lines += ["", "| scorer | Spearman with the oracle error | top-30% overlap with the oracle |", "|---|---|---|"]
-    lines += [f"| {k} | {x['spearman_mean']:.2f} | {pct(x['top30_overlap_mean'])} |" for k, x in v.items()]
-    t = s["timing"]
-    lines += ["", "| ~tokens | full prefill | source alone | translated (ratio {r}) | source prefill | map | select | "
-              "recompute | speed-up | bound | share of bound |".format(r=t["ratio"]), "|---|---|---|---|---|---|---|---|---|---|---|",
-              f"| {t['tokens_median']:.0f} | {t['full_s']:.2f} s | {t['source_alone_s']:.2f} s | {t['translated_s']:.2f} s | "
-              f"{t['source_prefill_s']:.2f} s | {t['map_s']:.2f} s | {t['select_s'] * 1000:.1f} ms | {t['recompute_s']:.2f} s | "
-              f"{t['speedup']:.2f}x | {t['bound']:.2f}x | {pct(t['speedup_share_of_bound'])} |"]
+    lines = []
+    if "rows" in s:
+        lines += [f"n = {s['n']} SQuAD questions; target full prefill accuracy {pct(s['full_accuracy'])} "
+                  f"{ci(s['full_ci'])}; source alone {pct(s['source_alone']['accuracy'])} (retention "
+                  f"{pct(s['source_alone']['retention'])} {ci(s['source_alone']['retention_ci'])}, agreement "
+                  f"{pct(s['source_alone']['agreement'])})", "",
+                  "| ratio | scorer | recomputed | accuracy | retention [95% CI] | agreement with full prefill [95% CI] |",
+                  "|---|---|---|---|---|---|"]
+        for r in s["rows"]:
+            lines.append(f"| {r['ratio']} | {r['scorer']} | {pct(r['recomputed_share'])} | {pct(r['accuracy'])} | "
+                         f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} "
+                         f"{ci(r['agreement_ci'])} |")
+        v = s["validation"]
+        lines += ["", "| scorer | Spearman with the oracle error | top-30% overlap with the oracle |", "|---|---|---|"]
+        lines += [f"| {k} | {x['spearman_mean']:.2f} | {pct(x['top30_overlap_mean'])} |" for k, x in v.items()]
+        lines.append("")
+    by = s.get("timing_by_selector") or {s["timing"].get("selector") or "rank": s["timing"]}
+    t0 = next(iter(by.values()))
+    lines += [f"| ~tokens | scorer | full prefill | source alone | translated (ratio {t0['ratio']}) | source prefill | "
+              "map | select | recompute | speed-up | bound | share of bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for sel, t in by.items():
+        lines.append(f"| {t['tokens_median']:.0f} | {sel} | {t['full_s']:.2f} s | {t['source_alone_s']:.2f} s | "
+                     f"{t['translated_s']:.2f} s | {t['source_prefill_s']:.2f} s | {t['map_s']:.2f} s | "
+                     f"{t['select_s'] * 1000:.1f} ms | {t['recompute_s']:.2f} s | {t['speedup']:.2f}x | "
+                     f"{t['bound']:.2f}x | {pct(t['speedup_share_of_bound'])} |")
     return "\n".join(lines)
 
 

@@ -124,9 +124,11 @@ def run(args, checkpoint=None) -> dict:
     records = []
     jobs = [(w, c) for w in args.workflows for c in args.context_tokens]
     data = {c: questions(tok, args.n, c, args.seed) for c in args.context_tokens}
-    bar = tqdm(total=len(jobs) * args.n * (len(methods) - bool(reference)), desc="bench", unit="workflow")
+    span = question_span(args)
+    bar = tqdm(total=len(jobs) * len(span) * (len(methods) - bool(reference)), desc="bench", unit="workflow")
     for shape, ctx in jobs:
-        for q, (doc, item) in enumerate(data[ctx]):
+        for q in span:
+            doc, item = data[ctx][q]
             for method in methods:
                 if method == "full" and reference is not None:
                     records.append(dict(reference[(shape, ctx, q)], reference=args.reference))
@@ -171,6 +173,24 @@ def run(args, checkpoint=None) -> dict:
     return dict(config=vars(args), complete=True, summary=summarize(records, methods), records=records)
 
 
+def question_span(args) -> range:
+    """The questions this run does: ``--questions A:B`` of the ``--n`` that ``--seed`` picks (all by default).
+
+    The pick depends on ``n`` (questions are spread over the file), so a run stopped part way is completed with the
+    same ``--n``/``--seed`` and the remaining span, then joined with ``hf-kvreuse merge``."""
+    spec = getattr(args, "questions", None)
+    if not spec:
+        return range(args.n)
+    try:
+        a, b = (x.strip() for x in spec.split(":"))
+        span = range(int(a or 0), int(b) if b else args.n)
+    except ValueError:
+        raise SystemExit(f"--questions {spec!r}: expected A:B, e.g. 13:25") from None
+    if not span or span.start < 0 or span.stop > args.n:
+        raise SystemExit(f"--questions {spec!r}: not a non-empty part of the --n {args.n} questions (0:{args.n})")
+    return span
+
+
 REFERENCE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "seed", "n", "max_bytes")
 
 
@@ -187,7 +207,7 @@ def load_reference(args) -> dict:
         raise SystemExit(f"--reference {args.reference}: its {', '.join(bad)} differ from this run's "
                          f"({', '.join(f'{k}={cfg.get(k)!r}' for k in bad)})")
     out = {(r["workflow"], r["context_tokens"], r["question"]): r for r in ref["records"] if r["method"] == "full"}
-    missing = [(w, c, q) for w in args.workflows for c in args.context_tokens for q in range(args.n)
+    missing = [(w, c, q) for w in args.workflows for c in args.context_tokens for q in question_span(args)
                if (w, c, q) not in out]
     if missing:
         raise SystemExit(f"--reference {args.reference} has no full-prefill record of {missing[:3]} ...")
@@ -297,7 +317,8 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out / "accuracy_vs_ttft.png", dpi=120)
     plt.close(fig)
 
-    first = [r for r in result["records"] if r["question"] == 0]
+    q0 = result["records"][0]["question"]  # the timeline draws the first question
+    first = [r for r in result["records"] if r["question"] == q0]
     fig, axes = plt.subplots(len(first), 1, figsize=(7, 0.9 + 0.7 * len(first)), squeeze=False)
     for ax, r in zip(axes[:, 0], first):
         t = 0.0
@@ -327,21 +348,47 @@ def print_summary(rows: list[dict]) -> None:
               f"{r.get('first_verified_ratio', r['ttft_ratio']):>6.2f} {r['e2e_ratio']:>6.2f} {kept:>5} {fl:>6}")
 
 
+MERGE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "max_bytes")
+
+
 def merge(paths: list[str], out: Path) -> dict:
-    """Join runs of the same configuration over different questions (e.g. ``--seed`` shards run in parallel)."""
+    """Join runs of one configuration: over different questions (``--seed`` shards, ``--questions`` spans run in
+    parallel or after a stop) and over different methods of the same questions (a ``--reference`` run).
+
+    A question is named by the ``--seed``/``--n`` that picked it and its index, so the same question from two runs is
+    one question; a full-prefill record a ``--reference`` run copied is dropped when its original is merged too.
+    Runs of other settings (model, dtype, rounds, tokens, byte budget) and a method measured twice on one question
+    are refused."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    records, methods = [], []
-    for i, r in enumerate(runs):
+    configs = [c for r in runs for c in (r["config"] if isinstance(r["config"], list) else [r["config"]])]
+    for k in MERGE_KEYS:
+        vals = {json.dumps(c.get(k)) for c in configs}
+        if len(vals) > 1:
+            raise SystemExit(f"merge: the runs differ in {k} ({', '.join(sorted(vals))}): not one configuration")
+    seen: dict[tuple, dict] = {}
+    methods: list[str] = []
+    for path, r in zip(paths, runs):
+        cfg = r["config"]
         for rec in r["records"]:
-            rec = dict(rec, question=f"{i}:{rec['question']}")
-            records.append(rec)
+            q = rec["question"]
+            if not isinstance(cfg, list):  # a merged file's questions are already named
+                q = f"{cfg.get('seed', 0)}/{cfg.get('n')}:{q}"
+            rec = dict(rec, question=q)
+            key = (rec["workflow"], rec["context_tokens"], q, rec["method"])
+            old = seen.get(key)
+            if old is not None:
+                if rec["method"] == "full" and (rec.get("reference") or old.get("reference")):
+                    if old.get("reference"):
+                        seen[key] = rec  # keep the run that measured it
+                    continue
+                raise SystemExit(f"merge: {rec['method']} on question {q} ({rec['workflow']}, "
+                                 f"{rec['context_tokens']} tokens) is in two runs (the second: {path})")
+            seen[key] = rec
             if rec["method"] not in methods:
                 methods.append(rec["method"])
-    first = next(r["question"] for r in records)
-    for r in records:  # the timeline plot draws one question
-        r["question"] = 0 if r["question"] == first else r["question"]
-    result = dict(config=[r["config"] for r in runs], merged_from=list(paths),
-                  summary=summarize(records, methods), records=records)
+    records = list(seen.values())
+    methods = ["full"] + [m for m in methods if m != "full"] if "full" in methods else methods
+    result = dict(config=configs, merged_from=list(paths), summary=summarize(records, methods), records=records)
     write(result, out)
     return result
 
@@ -403,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     b.add_argument("--seed", type=int, default=0, help="offset of the first question in the SQuAD file (shards)")
     b.add_argument("--out", default="bench_results", help="output folder (bench.json, bench.csv, plots)")
+    b.add_argument("--questions", default=None, metavar="A:B",
+                   help="run only questions A..B-1 of the --n picked (complete a stopped run; join with merge)")
     b.add_argument("--reference", default=None,
                    help="bench.json of an earlier run of the same settings: its full-prefill records are reused "
                         "instead of running full again (answers exact; its timings not side by side)")
@@ -431,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workflows:
         if w not in SHAPES:
             raise SystemExit(f"--workflows: {w!r} is not one of {SHAPES}")
+    question_span(args)  # a bad --questions is refused before any model loads
     if args.dtype is None:
         args.dtype = "fp32" if args.model == "smollm2" else "bf16" if args.model in MODELS else "auto"
     out = Path(args.out)

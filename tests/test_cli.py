@@ -71,3 +71,48 @@ def test_bench_json_after_every_question(model_folder, tmp_path, monkeypatch):
     assert res["complete"] is False
     assert sorted((r["question"], r["method"]) for r in res["records"]) == [(0, "full"), (0, "prefix")]
     assert res["summary"] and not list(out.glob(".bench.json.*"))
+
+
+def _bench_file(path, seed, methods_by_q, reference=None, **cfg):
+    """A hand-made bench.json: ``methods_by_q`` maps a question to the methods run on it."""
+    turn = {"stats": {"ttft_s": 1.0, "prompt_tokens": 10, "exact_prefix_tokens": 0, "donor_tokens": 0,
+                      "cache_stats": None}, "ttft_ratio": 1.0, "wall_s": 1.0, "agent": "a"}
+    records = []
+    for q, methods in methods_by_q.items():
+        for m in methods:
+            rec = dict(workflow="chain", context_tokens=100, question=q, method=m, final="x", correct=True,
+                       agrees=True, judge_agrees=None, e2e_s=1.0, e2e_ratio=1.0, turns=[turn])
+            if m == "full" and reference:
+                rec["reference"] = reference
+            records.append(rec)
+    config = dict(model="m", dtype="fp32", rounds=3, max_new_tokens=4, max_bytes=1, seed=seed, n=4, **cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(config=config, records=records)))
+    return str(path)
+
+
+def test_merge_joins_methods_and_spans_of_one_configuration(tmp_path):
+    """``merge`` names a question by its seed/n and index: a ``--reference`` run's copied full records fold into
+    the originals (one full record per question), spans of the same seed join, other seeds stay apart, and a method
+    measured twice on one question or runs of another configuration are refused.
+
+    Planted bug that fails it: naming questions by file index (``f"{i}:{q}"``, the old merge): full counted 4 times."""
+    from hf_kvreuse.cli import merge
+
+    a = _bench_file(tmp_path / "a.json", 0, {0: ["full", "verify"], 1: ["full", "verify"]})
+    b = _bench_file(tmp_path / "b.json", 0, {0: ["full", "prefix"], 1: ["full", "prefix"]}, reference=a)
+    c = _bench_file(tmp_path / "c.json", 0, {2: ["full", "verify"]})       # a later span of the same pick
+    d = _bench_file(tmp_path / "d.json", 20, {0: ["full", "verify"]})      # another seed: other questions
+    res = merge([b, a, c, d], tmp_path / "m")
+    n = {r["method"]: r["n"] for r in res["summary"]}
+    assert n == {"full": 4, "verify": 4, "prefix": 2}
+    assert not any(r.get("reference") for r in res["records"])  # the measured originals were kept
+    assert [r["method"] for r in res["summary"]][0] == "full"
+    with pytest.raises(SystemExit, match="in two runs"):
+        merge([a, _bench_file(tmp_path / "e.json", 0, {1: ["verify"]})], tmp_path / "m2")
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        other = _bench_file(tmp_path / "f.json", 40, {0: ["full"]})
+        cfg = json.loads(open(other).read())
+        cfg["config"]["max_new_tokens"] = 128
+        open(other, "w").write(json.dumps(cfg))
+        merge([a, other], tmp_path / "m3")

@@ -179,3 +179,28 @@ def test_bench_reference_reuses_full_prefill(smollm2, tmp_path):
     assert {r["method"]: r["agreement"] for r in res["summary"]} == {"full": 1.0, "prefix": 1.0}
     with pytest.raises(SystemExit, match="max_new_tokens"):
         main([*common[:-1], "4", "--methods", "prefix", "--reference", ref, "--out", str(tmp_path / "c")])
+
+
+def test_bench_questions_runs_a_span_and_completes_with_a_reference(smollm2, tmp_path):
+    """``--questions A:B`` runs only those of the ``--n`` questions (the same prompts as a whole run picks), and a
+    ``--reference`` needs full-prefill records of that span only; a bad span is refused before anything runs.
+
+    Planted bug that fails it: ``run`` loops over ``range(args.n)`` instead of the span (records of question 0)."""
+    from hf_kvreuse.cli import main
+
+    common = ["bench", "--model", "smollm2", "--n", "2", "--workflows", "chain", "--context-tokens", "120",
+              "--max-new-tokens", "2"]
+    assert main([*common, "--methods", "prefix", "--questions", "1:2", "--out", str(tmp_path / "a")]) == 0
+    res = json.loads((tmp_path / "a" / "bench.json").read_text())
+    assert sorted({r["question"] for r in res["records"]}) == [1]
+    ref = str(tmp_path / "a" / "bench.json")
+    assert main([*common, "--methods", "auto", "--questions", "1:", "--reference", ref,
+                 "--out", str(tmp_path / "b")]) == 0
+    res_b = json.loads((tmp_path / "b" / "bench.json").read_text())
+    full = [r for r in res_b["records"] if r["method"] == "full"]
+    assert [r["question"] for r in full] == [1] and full[0]["reference"] == ref
+    with pytest.raises(SystemExit, match="no full-prefill record"):
+        main([*common, "--methods", "auto", "--questions", "0:1", "--reference", ref, "--out", str(tmp_path / "c")])
+    for bad in ("2:3", "1:1", "x"):
+        with pytest.raises(SystemExit, match="--questions"):
+            main([*common, "--methods", "prefix", "--questions", bad, "--out", str(tmp_path / "d")])
