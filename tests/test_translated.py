@@ -614,3 +614,51 @@ def test_pair_fit_uses_the_measured_default_of_the_kind(tmp_path, monkeypatch):
         assert (seen["inputs"], seen["ridge_lambda"]) == (kind, lam)
     pairs.qwen_pair_mapper(object(), object(), object(), path=tmp_path / "x", inputs="kv", ridge_lambda=0.5)
     assert seen["ridge_lambda"] == 0.5
+
+
+def test_output_kl_is_zero_for_the_identity_map(copy_pair):
+    """The student forward of the output fit (mapped cache + answer tokens at their positions) reproduces the
+    teacher's full prefill when the map is exact: KL ~ 0 and every argmax equal.
+
+    Planted bug that fails it: the student's answer tokens at positions ``n + 1..`` (one off): KL 2.3e-5 against
+    2e-8 (the teacher's log-probabilities are kept in float32 for this: float16 alone rounds them by 5e-5)."""
+    from hf_kvreuse.translation.output_fit import make_examples, output_kl
+
+    src, tgt, mapper = copy_pair
+    examples = make_examples(src, tgt, [_prompt(30, seed=s)[0] for s in (1, 2)], mapper, answer_tokens=5,
+                             progress=False)
+    assert [ex.answer.numel() for ex in examples] == [5, 5]
+    res = output_kl(mapper, tgt, examples)
+    assert abs(res["kl"]) < 1e-6 and res["top1_agreement"] == 1.0, res
+
+
+def test_output_fit_lowers_the_kl_and_keeps_the_format(pair, tmp_path):
+    """Fine-tuning through the frozen target lowers the KL on its examples, leaves the given mapper untouched,
+    returns the validation-best epoch, and saves / loads / checks the pair like any map; ratio 1.0 stays the
+    target's full prefill.
+
+    Planted bug that fails it: ``fit_outputs`` trains the given mapper's tensors in place (the original's
+    translation changes)."""
+    from hf_kvreuse.translation.output_fit import OutputFitConfig, fit_outputs, make_examples, output_kl
+
+    src, tgt, mapper = pair
+    before_w = [lm.w_k.clone() for lm in mapper.layers]
+    ex = make_examples(src, tgt, [_prompt(24, seed=s)[0] for s in range(3)], mapper, answer_tokens=4,
+                       progress=False)
+    kl0 = output_kl(mapper, tgt, ex)["kl"]
+    fitted, hist = fit_outputs(mapper, tgt, ex, OutputFitConfig(epochs=3, lr=3e-3, answer_tokens=4), val_examples=ex,
+                               progress=False)
+    kl1 = output_kl(fitted, tgt, ex)["kl"]
+    assert kl1 < 0.7 * kl0, (kl0, kl1, hist)
+    assert all(torch.equal(a, lm.w_k) for a, lm in zip(before_w, mapper.layers))
+    assert fitted.info["output_fit"]["best_epoch"] == min(hist, key=lambda h: h["val_kl"])["epoch"]
+    assert not any(lm.w_k.requires_grad for lm in fitted.layers)
+    fitted.save(tmp_path / "fit")
+    loaded = KVMapper.load(tmp_path / "fit", src, tgt)
+    _same_translation(src, tgt, fitted, loaded)
+    assert loaded.info["output_fit"]["epochs"] == 3
+    ids = _prompt()
+    ref = _full(tgt, ids)
+    out = tgt.generate(ids, cache=TranslatedCache(tgt, src, loaded, ids, recompute_ratio=1.0), max_new_tokens=6,
+                       do_sample=False, return_dict_in_generate=True, output_logits=True)
+    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
