@@ -32,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 def main(argv=None) -> None:
     from hf_kvreuse.models import load_qwen
     from hf_kvreuse.translation import KVMapper
-    from hf_kvreuse.translation.output_fit import OutputFitConfig, fit_outputs, make_examples, output_kl
+    from hf_kvreuse.translation.output_fit import (OutputFitConfig, fit_outputs, load_examples, make_examples,
+                                                   output_kl, save_examples)
     from hf_kvreuse.translation.pairs import calibration_ids
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,6 +49,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=None, help="stop after the epoch past this many seconds")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--examples", default=None, help="safetensors file keeping the teacher pass (made if absent)")
     p.add_argument("--out-map", required=True, help="folder of the fitted map")
     p.add_argument("--result", default=str(HERE.parent / "benchmarks" / "results" / "translated_output_fit.json"))
     a = p.parse_args(argv)
@@ -59,13 +61,23 @@ def main(argv=None) -> None:
     mapper = KVMapper.load(a.map, src, tgt)
     prompts = calibration_ids(tok, a.n_train + a.n_val, a.max_tokens, offset=a.offset)
     t0 = time.perf_counter()
-    examples = make_examples(src, tgt, prompts, mapper, answer_tokens=a.answer_tokens)
+    cached = Path(a.examples) if a.examples else None
+    if cached is not None and cached.exists():
+        examples = load_examples(cached)
+        if [x.ids.tolist() for x in examples] != [x.tolist() for x in prompts] or \
+                any(x.answer.numel() != a.answer_tokens for x in examples):
+            raise SystemExit(f"{cached} holds other prompts or answer lengths than this command's")
+    else:
+        examples = make_examples(src, tgt, prompts, mapper, answer_tokens=a.answer_tokens)
+        if cached is not None:
+            save_examples(examples, cached)
     prep_s = time.perf_counter() - t0
     train, val = examples[:a.n_train], examples[a.n_train:]
     cfg = OutputFitConfig(answer_tokens=a.answer_tokens, epochs=a.epochs, lr=a.lr, anchor=a.anchor, seed=a.seed)
     before = {"train": output_kl(mapper, tgt, train), "val": output_kl(mapper, tgt, val)}
     print("closed form:", before, flush=True)
     result_path = Path(a.result)
+    result_path.parent.mkdir(parents=True, exist_ok=True)
     result = {"command": "python scripts/translated_output_fit.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "args": vars(a), "config": cfg.__dict__, "git_commit": subprocess.run(
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),

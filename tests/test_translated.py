@@ -639,13 +639,16 @@ def test_output_fit_lowers_the_kl_and_keeps_the_format(pair, tmp_path):
 
     Planted bug that fails it: ``fit_outputs`` trains the given mapper's tensors in place (the original's
     translation changes)."""
-    from hf_kvreuse.translation.output_fit import OutputFitConfig, fit_outputs, make_examples, output_kl
+    from hf_kvreuse.translation.output_fit import (OutputFitConfig, fit_outputs, load_examples, make_examples,
+                                                   output_kl, save_examples)
 
     src, tgt, mapper = pair
     before_w = [lm.w_k.clone() for lm in mapper.layers]
     ex = make_examples(src, tgt, [_prompt(24, seed=s)[0] for s in range(3)], mapper, answer_tokens=4,
                        progress=False)
     kl0 = output_kl(mapper, tgt, ex)["kl"]
+    save_examples(ex, tmp_path / "ex.safetensors")  # the teacher pass kept on disk reads back the same
+    assert output_kl(mapper, tgt, load_examples(tmp_path / "ex.safetensors"))["kl"] == kl0
     fitted, hist = fit_outputs(mapper, tgt, ex, OutputFitConfig(epochs=3, lr=3e-3, answer_tokens=4), val_examples=ex,
                                progress=False)
     kl1 = output_kl(fitted, tgt, ex)["kl"]

@@ -116,6 +116,39 @@ def make_examples(source, target, prompts, mapper: KVMapper, answer_tokens: int 
     return out
 
 
+def save_examples(examples: list[FitExample], path) -> None:
+    """Write prepared examples to one safetensors file (the teacher pass is the expensive part: keep it)."""
+    from safetensors.torch import save_file
+
+    t = {}
+    for i, ex in enumerate(examples):
+        t[f"{i}.ids"], t[f"{i}.answer"], t[f"{i}.teacher_logp"] = ex.ids, ex.answer, ex.teacher_logp.contiguous()
+        for s, (k, v) in enumerate(ex.feats):
+            t[f"{i}.k.{s}"], t[f"{i}.v.{s}"] = k.contiguous(), v.contiguous()
+        for s, h in (ex.hidden or {}).items():
+            t[f"{i}.h.{s}"] = h.contiguous()
+    save_file(t, str(path), metadata={"format": "hf_kvreuse.output_fit.examples", "n": str(len(examples))})
+
+
+def load_examples(path) -> list[FitExample]:
+    """Read what :func:`save_examples` wrote."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != "hf_kvreuse.output_fit.examples":
+        raise ValueError(f"{path}: not a file of output-fit examples")
+    t = load_file(str(path))
+    out = []
+    for i in range(int(meta["n"])):
+        n_src = sum(1 for k in t if k.startswith(f"{i}.k."))
+        hidden = {int(k.rsplit(".", 1)[1]): v for k, v in t.items() if k.startswith(f"{i}.h.")}
+        out.append(FitExample(t[f"{i}.ids"], t[f"{i}.answer"], t[f"{i}.teacher_logp"],
+                              [(t[f"{i}.k.{s}"], t[f"{i}.v.{s}"]) for s in range(n_src)], hidden or None))
+    return out
+
+
 def _student_logp(mapper: KVMapper, target, ex: FitExample, shifter, cs) -> torch.Tensor:
     """Log-probabilities of the target reading the mapped cache, at the answer positions (differentiable)."""
     from transformers import DynamicCache
