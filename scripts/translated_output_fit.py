@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=None, help="stop after the epoch past this many seconds")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--examples", default=None, help="safetensors file keeping the teacher pass (made if absent)")
+    p.add_argument("--examples", default=None, help="folder keeping the teacher pass (examples.safetensors + .json; made if absent)")
     p.add_argument("--out-map", required=True, help="folder of the fitted map")
     p.add_argument("--result", default=str(HERE.parent / "benchmarks" / "results" / "translated_output_fit.json"))
     a = p.parse_args(argv)
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     prompts = calibration_ids(tok, a.n_train + a.n_val, a.max_tokens, offset=a.offset)
     t0 = time.perf_counter()
     cached = Path(a.examples) if a.examples else None
-    if cached is not None and cached.exists():
+    if cached is not None and (cached / "examples.json").exists():
         examples = load_examples(cached)
         if [x.ids.tolist() for x in examples] != [x.tolist() for x in prompts] or \
                 any(x.answer.numel() != a.answer_tokens for x in examples):

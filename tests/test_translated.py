@@ -639,6 +639,7 @@ def test_output_fit_lowers_the_kl_and_keeps_the_format(pair, tmp_path):
 
     Planted bug that fails it: ``fit_outputs`` trains the given mapper's tensors in place (the original's
     translation changes)."""
+    from hf_kvreuse.artifacts import CorruptArtifactError
     from hf_kvreuse.translation.output_fit import (OutputFitConfig, fit_outputs, load_examples, make_examples,
                                                    output_kl, save_examples)
 
@@ -647,8 +648,13 @@ def test_output_fit_lowers_the_kl_and_keeps_the_format(pair, tmp_path):
     ex = make_examples(src, tgt, [_prompt(24, seed=s)[0] for s in range(3)], mapper, answer_tokens=4,
                        progress=False)
     kl0 = output_kl(mapper, tgt, ex)["kl"]
-    save_examples(ex, tmp_path / "ex.safetensors")  # the teacher pass kept on disk reads back the same
-    assert output_kl(mapper, tgt, load_examples(tmp_path / "ex.safetensors"))["kl"] == kl0
+    save_examples(ex, tmp_path / "ex")  # the teacher pass kept on disk reads back the same, verified
+    assert output_kl(mapper, tgt, load_examples(tmp_path / "ex"))["kl"] == kl0
+    with open(tmp_path / "ex" / "examples.safetensors", "r+b") as f:  # a corrupted file is refused
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    with pytest.raises(CorruptArtifactError):
+        load_examples(tmp_path / "ex")
     fitted, hist = fit_outputs(mapper, tgt, ex, OutputFitConfig(epochs=3, lr=3e-3, answer_tokens=4), val_examples=ex,
                                progress=False)
     kl1 = output_kl(fitted, tgt, ex)["kl"]

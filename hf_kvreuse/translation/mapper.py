@@ -528,6 +528,14 @@ class KVMapper:
         device = device or source_kv[0][0].device
         feats = [(k.to(device), v.to(device)) for k, v in
                  content_features(source_kv, source_shifter, positions.to(source_kv[0][0].device))]
+        return self.translate_features(feats, positions, target_shifter, dtype, device, observe, hidden)
+
+    def translate_features(self, feats: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+                           target_shifter: RopeShifter, dtype: torch.dtype, device: torch.device | None = None,
+                           observe=None, hidden: dict[int, torch.Tensor] | None = None) -> KV:
+        """:meth:`translate` from the source's content features (:func:`content_features`) already computed;
+        differentiable in the maps (the output fit trains through it)."""
+        device = device or feats[0][0].device
         cs = target_shifter.cos_sin(positions.to(device), device)
         out = []
         for t in range(self.geometry.target_layers):

@@ -116,30 +116,28 @@ def make_examples(source, target, prompts, mapper: KVMapper, answer_tokens: int 
     return out
 
 
-def save_examples(examples: list[FitExample], path) -> None:
-    """Write prepared examples to one safetensors file (the teacher pass is the expensive part: keep it)."""
-    from safetensors.torch import save_file
+def save_examples(examples: list[FitExample], folder) -> None:
+    """Write prepared examples to ``folder/examples.safetensors`` + ``.json`` (sha256 recorded): the teacher pass
+    is the expensive part, keep it."""
+    from ..artifacts import write_artifact
 
     t = {}
     for i, ex in enumerate(examples):
-        t[f"{i}.ids"], t[f"{i}.answer"], t[f"{i}.teacher_logp"] = ex.ids, ex.answer, ex.teacher_logp.contiguous()
+        t[f"{i}.ids"], t[f"{i}.answer"], t[f"{i}.teacher_logp"] = ex.ids, ex.answer, ex.teacher_logp
         for s, (k, v) in enumerate(ex.feats):
-            t[f"{i}.k.{s}"], t[f"{i}.v.{s}"] = k.contiguous(), v.contiguous()
+            t[f"{i}.k.{s}"], t[f"{i}.v.{s}"] = k, v
         for s, h in (ex.hidden or {}).items():
-            t[f"{i}.h.{s}"] = h.contiguous()
-    save_file(t, str(path), metadata={"format": "hf_kvreuse.output_fit.examples", "n": str(len(examples))})
+            t[f"{i}.h.{s}"] = h
+    write_artifact(folder, "examples", t, {"format": "hf_kvreuse.output_fit.examples", "n": len(examples)})
 
 
-def load_examples(path) -> list[FitExample]:
-    """Read what :func:`save_examples` wrote."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+def load_examples(folder) -> list[FitExample]:
+    """Read what :func:`save_examples` wrote, verified (sha256, finite values: CorruptArtifactError otherwise)."""
+    from ..artifacts import read_artifact
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+    t, meta = read_artifact(folder, "examples", "output-fit examples")
     if meta.get("format") != "hf_kvreuse.output_fit.examples":
-        raise ValueError(f"{path}: not a file of output-fit examples")
-    t = load_file(str(path))
+        raise ValueError(f"{folder}: not a folder of output-fit examples")
     out = []
     for i in range(int(meta["n"])):
         n_src = sum(1 for k in t if k.startswith(f"{i}.k."))
@@ -149,7 +147,7 @@ def load_examples(path) -> list[FitExample]:
     return out
 
 
-def _student_logp(mapper: KVMapper, target, ex: FitExample, shifter, cs) -> torch.Tensor:
+def _student_logp(mapper: KVMapper, target, ex: FitExample, shifter) -> torch.Tensor:
     """Log-probabilities of the target reading the mapped cache, at the answer positions (differentiable)."""
     from transformers import DynamicCache
 
@@ -157,11 +155,10 @@ def _student_logp(mapper: KVMapper, target, ex: FitExample, shifter, cs) -> torc
 
     n = ex.ids.numel() - 1
     cache = DynamicCache(config=target.config)
-    dtype = next(target.parameters()).dtype
-    for t in range(mapper.geometry.target_layers):
-        kc, v = mapper.map_layer(t, ex.feats, ex.hidden)
-        k = shifter.shift(mapper.to_cache_layout(kc), None, cs)
-        cache.update(k.to(dtype), mapper.to_cache_layout(v).to(dtype), t)
+    kv = mapper.translate_features(ex.feats, torch.arange(n), shifter, next(target.parameters()).dtype,
+                                   hidden=ex.hidden)
+    for t, (k, v) in enumerate(kv):
+        cache.update(k, v, t)
     inp = torch.cat([ex.ids[n:], ex.answer[:-1]])[None]
     pos = torch.arange(n, n + inp.shape[1])[None]
     logits = target(input_ids=inp, position_ids=pos, use_cache=True, **cache_kwargs(cache)).logits[0]
@@ -180,8 +177,7 @@ def output_kl(mapper: KVMapper, target, examples: list[FitExample]) -> dict:
     shifter = _shifter(target)
     kls, agree, total = [], 0, 0
     for ex in examples:
-        cs = shifter.cos_sin(torch.arange(ex.ids.numel() - 1), ex.ids.device)
-        s = _student_logp(mapper, target, ex, shifter, cs)
+        s = _student_logp(mapper, target, ex, shifter)
         kls.append(float(_kl(ex.teacher_logp, s)))
         agree += int((s.argmax(-1) == ex.teacher_logp.float().argmax(-1)).sum())
         total += s.shape[0]
@@ -233,8 +229,7 @@ def fit_outputs(mapper: KVMapper, target, examples: list[FitExample], config: Ou
             losses = []
             for i in tqdm(order, desc=f"output fit {epoch}/{cfg.epochs}", disable=not progress, unit="prompt"):
                 ex = examples[i]
-                cs = shifter.cos_sin(torch.arange(ex.ids.numel() - 1), ex.ids.device)
-                loss = _kl(ex.teacher_logp, _student_logp(fitted, target, ex, shifter, cs))
+                loss = _kl(ex.teacher_logp, _student_logp(fitted, target, ex, shifter))
                 losses.append(float(loss.detach()))
                 if cfg.anchor:
                     loss = loss + cfg.anchor * sum((p - p0).pow(2).sum() / s for p, p0, s in anchors)
