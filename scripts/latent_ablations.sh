@@ -22,5 +22,20 @@ case "$1" in
 --save-every 5 --threads 1 --compare shipped --out $D/runs/final_plain --result $R/latent_train_final_plain.json ;;
   final_tail16) python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev --budget-cpu-s ${BF:-1500} --lr 5e-3 \
 --save-every 5 --threads 1 --tail-tokens 16 --compare shipped --out $D/runs/final_tail16 --result $R/latent_train_final_tail16.json ;;
-  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16"; exit 2 ;;
+  # session of 2026-12-02 (a quiet machine: a whole core per run): more training records (seed 1, 60 per family,
+  # 480 examples; train_all = train + train_more, 704 examples) and a larger held-out dev set (seed 8, 34 records
+  # per held-out family; dev_big = dev + dev_big_new, 268 examples), then latents +/- Tail-16 at one budget each
+  data_more) M="python -m hf_kvreuse.latent.data --model qwen2.5-0.5b --threads 1"
+     $M --families retrieval extract code --n 34 --seed 8 --out $D/dev_big_new
+     $M --families inventory schedule phonebook prices --n 60 --seed 1 --out $D/train_more
+     mkdir -p $D/train_all $D/dev_big
+     ln -sf $D/train/*_0-*.json $D/train/*.safetensors $D/train_more/*_1-*.json $D/train_more/*.safetensors $D/train_all/
+     ln -sf $D/dev/*_7-*.json $D/dev/*.safetensors $D/dev_big_new/*_8-*.json $D/dev_big_new/*.safetensors $D/dev_big/ ;;
+  all_tail16) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
+--lr 5e-3 --save-every 10 --threads 1 --tail-tokens 16 --compare shipped --out $D/runs/all_tail16 \
+--result $R/latent_train_all_tail16.json ;;
+  all_plain) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
+--lr 5e-3 --save-every 10 --threads 1 --out $D/runs/all_plain --result $R/latent_train_all_plain.json ;;
+  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_plain"
+     exit 2 ;;
 esac

@@ -3,6 +3,11 @@
 teacher-forced, from the ``dev_rows`` of ``python -m hf_kvreuse.latent.train ... --dev DIR --result JSON``.
 
     python scripts/latent_dev_table.py benchmarks/results/latent_train_final_plain.json
+    python scripts/latent_dev_table.py RUN_A.json RUN_B.json ...   # several runs on the same dev shards
+
+With several runs, the baselines (direct reuse, Tail-k, compared bridges) come from the first JSON and each run's
+trained bridge is one more row, named after its JSON (``latent_train_<name>.json``); the runs must hold the same
+dev examples in the same order (checked), so that every difference is paired.
 
 Per group of families: ``acc`` = the variant's greedy answer (teacher-forced argmax at every answer position) is
 the full prefill's and the full prefill is right, with its Wilson 95% interval; ``recovered`` = the share of the
@@ -23,16 +28,34 @@ def pct(x: float) -> str:
     return "-" if x != x else f"{100 * x:.0f}%"
 
 
-def table(path: str) -> str:
-    d = json.load(open(path))
-    rows = d["dev_rows"]
+def run_name(path: str) -> str:
+    stem = path.rsplit("/", 1)[-1].removesuffix(".json")
+    return stem.removeprefix("latent_train_")
+
+
+def merged_rows(paths) -> tuple[dict, dict]:
+    """The first run's variants plus every other run's trained bridge; (rows, display names)."""
+    rows = dict(json.load(open(paths[0]))["dev_rows"])
+    names = {"bridge": f"trained bridge ({run_name(paths[0])})", "reuse": "direct reuse", "shipped": "shipped bridge"}
+    key = [(r["family"], r["record"], r["direction"], r["full_ok"], r["reuse_ok"]) for r in rows["reuse"]]
+    for path in paths[1:]:
+        other = json.load(open(path))["dev_rows"]
+        if [(r["family"], r["record"], r["direction"], r["full_ok"], r["reuse_ok"]) for r in other["reuse"]] != key:
+            raise SystemExit(f"{path} was evaluated on other dev examples than {paths[0]}: not paired")
+        name = f"bridge:{run_name(path)}"
+        rows[name] = other["bridge"]
+        names[name] = f"trained bridge ({run_name(path)})"
+    return rows, names
+
+
+def table(*paths: str) -> str:
+    rows, names = merged_rows(paths)
     tail = next((k for k in rows if k.startswith("tail")), None)
     fams = sorted({r["family"] for r in rows["reuse"]})
     groups = [("held-out (retrieval, extract)", [f for f in fams if f in HELDOUT]),
               ("held-out, other shape (code)", [f for f in fams if f in SHAPE]),
               ("held-out, all three", [f for f in fams if f in HELDOUT + SHAPE]),
               ("training families, dev records", [f for f in fams if f not in HELDOUT + SHAPE])]
-    names = {"bridge": "trained bridge (this run)", "reuse": "direct reuse", "shipped": "shipped bridge"}
     lines = [f"| examples | variant | n | acc [95% CI] | recovered | vs direct reuse [95% CI] | vs {tail or 'Tail-k'} "
              "[95% CI] | agree with full |", "|---|---|---|---|---|---|---|---|"]
     for label, sel in groups:
@@ -65,4 +88,4 @@ def diff(d) -> str:
 
 
 if __name__ == "__main__":
-    print(table(sys.argv[1]))
+    print(table(*sys.argv[1:]))

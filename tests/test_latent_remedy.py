@@ -476,3 +476,117 @@ def test_train_command_evaluates_every_variant_per_example(tmp_path):
     assert saved["dev_variants"]["reuse"]["all"]["acc"] == saved["dev"]["all"]["reuse_acc"]
     for p in m.parameters():
         p.requires_grad_(True)
+
+
+def _lora_bridge(model, n=3, rank=2, seed=5):
+    """A bridge with a non-trivial MLP and LoRA (an untrained LoRA's B is zero: a no-op)."""
+    b = _bridge(model, n, seed)
+    lb = LatentBridge(model, n_latent=n, hidden=32, lora_rank=rank)
+    lb.load_state_dict({**b.state_dict(), **{k: v for k, v in lb.state_dict().items() if k.startswith("lora.")}})
+    with torch.no_grad():
+        for name, p in lb.lora.items():
+            if name.endswith("-b"):
+                p.normal_(0, 0.5)
+    return lb
+
+
+def _lora_by_hand(model, bridge, rows):
+    """Forward hooks adding ``x A^T B^T`` on ``rows`` of each adapted projection: written here, not the bridge's."""
+    from hf_kvreuse.latent.bridge import _lora_targets
+
+    handles = []
+    for key, lin in _lora_targets(model, bridge.lora_modules).items():
+        a, b = bridge.lora[f"{key}-a"].detach(), bridge.lora[f"{key}-b"].detach()
+        handles.append(lin.register_forward_hook(
+            lambda mod, inp, out, a=a, b=b: out + rows[..., None] * (inp[0] @ a.t() @ b.t())))
+    return handles
+
+
+@needs_offset
+def test_lora_bridge_acts_on_the_latent_rows_only(model):
+    """RestoreKV's bridge (a LoRA on the latent rows): with the block under its own prefix (exact K/V) the cache
+    equals the model's own forward over [prefix+block, latents, question, generated] with the LoRA added by hand on
+    the latent positions only, at the first token and every decode step; the trainer's student equals the cache.
+    Planted bug: the LoRA mask set from the latents to the end of the pass (`on_latents[:, tails.numel():]`, the
+    question rows adapted too) -> the first comparison fails."""
+    pa, pb, blk, q = _parts(43)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _lora_bridge(model)
+    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids="own"), new=3)
+    gen = out.sequences[:, ids.shape[1]:]
+    with torch.no_grad():
+        hidden = model(input_ids=ids[:, :9], output_hidden_states=True).hidden_states[-1][:, -1]
+        z = bridge(hidden)
+    total = ids.shape[1] + bridge.n_latent + gen.shape[1] - 1
+    rows = torch.zeros(1, total)
+    rows[:, 39: 39 + bridge.n_latent] = 1
+    handles = _lora_by_hand(model, bridge, rows)
+    try:
+        want, _ = _manual_logits(model, ids, 39, z, gen)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(torch.stack(out.logits)[:, 0], want, atol=2e-4, rtol=2e-4)
+    plain, _ = _manual_logits(model, ids, 39, z, gen)
+    assert (plain - want).abs().max() > 1e-3  # the LoRA does change the answer's logits
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=2, top_k=8)
+    with torch.no_grad():
+        s = student_logits(model, bridge, ex, tail_k=4)
+    got = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0],
+                                             tail_tokens=4), new=1)
+    torch.testing.assert_close(s[0], got.logits[0][0], atol=2e-4, rtol=2e-4)
+
+
+def test_untrained_lora_is_a_no_op_and_round_trips(model, tmp_path):
+    """An untrained LoRA (B = 0) gives the plain bridge's logits exactly; a trained one saves and loads (version 3,
+    LoRA tensors included) and a module name the model lacks is refused. Planted bug: B initialised like A (random)
+    -> the first comparison fails."""
+    pa, pb, blk, q = _parts(44)
+    ids = torch.cat([pb, blk, q], 1)
+    plain = _bridge(model, 3)
+    lb = LatentBridge(model, n_latent=3, hidden=32, lora_rank=4)
+    lb.load_state_dict({**plain.state_dict(), **{k: v for k, v in lb.state_dict().items() if k.startswith("lora.")}})
+    store = ChunkStore()
+    ref = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=plain, store=store, block_prefix_ids=pa[0]))
+    got = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=lb, store=store, block_prefix_ids=pa[0]))
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-6, rtol=1e-6)
+    trained = _lora_bridge(model, rank=4)
+    trained.save(tmp_path / "b", dtype=torch.float32)
+    loaded = LatentBridge.load(tmp_path / "b", model)
+    assert loaded.lora_rank == 4 and set(loaded.state_dict()) == set(trained.state_dict())
+    for k, v in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="no linear module named"):
+        LatentBridge(model, n_latent=2, lora_rank=2, lora_modules=("qkv_proj",))
+
+
+@needs_offset
+def test_lora_bridge_trains():
+    """Distillation through a LoRA bridge (the MLP frozen, so only the LoRA can lower it): 25 AdamW steps on 4 fixed
+    examples lower the loss by a third, and the LoRA is what moved."""
+    m = enable(tiny_model("qwen2", seed=3))
+    exs = []
+    for i in range(4):
+        pa, pb, blk, q = _parts(20 + i)
+        exs.append(make_example(m, torch.cat([pb, blk, q], 1), (9, 39), pa[0], n_answer=3, top_k=16))
+    torch.manual_seed(0)
+    br = LatentBridge(m, n_latent=4, hidden=32, lora_rank=4)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(br.lora.parameters(), lr=1e-2)
+
+    def total():
+        with torch.no_grad():
+            return sum(float(student_loss(m, br, e)) for e in exs)
+    try:
+        before = total()
+        for _ in range(25):
+            loss = sum(student_loss(m, br, e) for e in exs) / len(exs)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert total() < 0.67 * before
+        assert any(float(p.detach().abs().max()) > 0 for k, p in br.lora.items() if k.endswith("-b"))
+    finally:
+        for p in m.parameters():
+            p.requires_grad_(True)

@@ -11,7 +11,8 @@ For a prompt ``[target prefix][reused block(s)][suffix]``:
 3. the latents run right after the last block (positions ``e .. e+n-1``), attending to the prefix and the
    reused block; their K/V enter the cache;
 4. the suffix (question, assistant header) runs at positions shifted by ``n``, attending to everything before,
-   latents included; then decoding.
+   latents included; then decoding. A bridge with a LoRA (``lora_rank > 0``, RestoreKV's variant) adapts the
+   model's projections on the latent rows of that pass only.
 
 The cache physically holds ``n`` more entries than the prompt has tokens (``logical_offset = -n``); decoding
 positions are the physical ones (``before_forward``). When ``generate`` returns, the latent rows are removed and
@@ -221,7 +222,11 @@ class LatentRemedyCache(BlockReuseCache):
             if n:
                 parts.append(self.latent_embeddings(feats))
             parts.append(embed(ids_ext[:, post + n]))
-            partial_forward(self.model, ids_ext, rows, kv, layers=range(len(kv)), hidden_states=torch.cat(parts, 1))
+            on_latents = torch.zeros(1, rows.numel(), dtype=torch.bool, device=ids.device)
+            on_latents[:, tails.numel(): tails.numel() + n] = True  # the bridge's LoRA, if any, acts there only
+            with self.bridge.lora_active(self.model, on_latents):
+                partial_forward(self.model, ids_ext, rows, kv, layers=range(len(kv)),
+                                hidden_states=torch.cat(parts, 1))
         return kv
 
     # -- decoding at physical positions ----------------------------------------------------------------------

@@ -12,20 +12,30 @@ LLM frozen. The abstract gives no sizes; the choices here (measured in README):
 * the latents enter as input embeddings (the model's own embedding scale is not applied again).
 
 ``n_latent=0`` emits nothing: the cache is then exactly direct reuse.
+
+``lora_rank=r > 0`` adds the alternative bridge of RestoreKV (kvpress, arXiv 2608.01247: learned restore tokens
+plus a LoRA, self-distilled): a rank-``r`` update ``x A^T B^T`` of the model's projections (``lora_modules``, by
+default the attention's ``q/k/v/o``) in every decoder layer, **active on the latent rows only**
+(:meth:`LatentBridge.lora_active`). The other rows run the frozen model, so the prompt's own K/V and the
+returned cache are the model's; only the latents' K/V, and through them what later rows read, change. ``B``
+starts at zero: an untrained LoRA is a no-op (tested).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
 FORMAT = "hf_kvreuse.LatentBridge"
-VERSION = 2
-READABLE = (1, 2)  # version 1: one layer, last row, no tail
+VERSION = 3
+READABLE = (1, 2, 3)  # version 1: one layer, last row, no tail; version 2: no LoRA
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class LatentBridgeMismatchError(ValueError):
@@ -52,16 +62,23 @@ class LatentBridge(nn.Module):
     tail_tokens : int, default=0
         The block rows recomputed with the latents (latents plus Tail-k) this bridge is meant for; the cache's
         default (:class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` ``tail_tokens=None``).
+    lora_rank : int, default=0
+        Rank of a LoRA on ``lora_modules`` of every decoder layer, active on the latent rows only (RestoreKV's
+        bridge); 0: none.
+    lora_modules : tuple of str, default=("q_proj", "k_proj", "v_proj", "o_proj")
+        Names (last component) of the ``nn.Linear`` modules of a decoder layer that the LoRA adapts; a name that
+        the model's layers lack is refused.
     """
 
     def __init__(self, model, n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1,
-                 layers: tuple[int, ...] | None = None, read: str = "last", tail_tokens: int = 0):
+                 layers: tuple[int, ...] | None = None, read: str = "last", tail_tokens: int = 0,
+                 lora_rank: int = 0, lora_modules: tuple[str, ...] = LORA_MODULES):
         super().__init__()
         from ..translation.mapper import model_identity
 
-        if n_latent < 0 or hidden < 1 or tail_tokens < 0:
-            raise ValueError(f"n_latent and tail_tokens must be >= 0 and hidden >= 1 (got {n_latent}, {tail_tokens}, "
-                             f"{hidden})")
+        if n_latent < 0 or hidden < 1 or tail_tokens < 0 or lora_rank < 0:
+            raise ValueError(f"n_latent, tail_tokens and lora_rank must be >= 0 and hidden >= 1 (got {n_latent}, "
+                             f"{tail_tokens}, {lora_rank}, {hidden})")
         n_layers = model.config.num_hidden_layers
         layers = tuple(int(x) for x in (layers if layers is not None else (hidden_layer,)))
         if not layers or any(not -1 <= x < n_layers for x in layers) or len(set(layers)) != len(layers):
@@ -83,6 +100,15 @@ class LatentBridge(nn.Module):
         if self.mlp is not None:
             nn.init.zeros_(self.mlp[2].weight)
             nn.init.zeros_(self.mlp[2].bias)
+        self.lora_rank = int(lora_rank) if n_latent else 0
+        self.lora_modules = tuple(lora_modules)
+        self.lora = nn.ParameterDict()
+        if self.lora_rank:
+            gen = torch.Generator().manual_seed(0)
+            for key, lin in _lora_targets(model, self.lora_modules).items():
+                a = torch.randn(self.lora_rank, lin.in_features, generator=gen) / lin.in_features ** 0.5
+                self.lora[f"{key}-a"] = nn.Parameter(a)
+                self.lora[f"{key}-b"] = nn.Parameter(torch.zeros(lin.out_features, self.lora_rank))
         self.info: dict = {}
 
     @property
@@ -133,6 +159,38 @@ class LatentBridge(nn.Module):
             feats.append(f if self.all_rows else f[:, -1:])
         return self(feats)
 
+    @contextlib.contextmanager
+    def lora_active(self, model, rows: torch.Tensor):
+        """Within the block, ``model``'s adapted projections add this bridge's LoRA update on the rows where
+        ``rows`` (``[B, T]`` bool, the shape of the hidden states the decoder layers see) is set, the latent
+        rows; in the calling thread only (a background prefill in another thread sees the frozen model). No LoRA:
+        nothing changes."""
+        if not self.lora_rank:
+            yield
+            return
+        owner = threading.get_ident()
+        handles = []
+        targets = _lora_targets(model, self.lora_modules)
+
+        def make(a, b):
+            def hook(mod, inp, out):
+                if threading.get_ident() != owner:
+                    return out
+                x = inp[0]
+                if x.shape[:-1] != rows.shape:
+                    raise RuntimeError(f"LoRA rows mask {tuple(rows.shape)} does not match the hidden states "
+                                       f"{tuple(x.shape[:-1])}")
+                delta = (x.to(a.dtype) @ a.t() @ b.t()).to(out.dtype)
+                return out + delta * rows[..., None].to(out.dtype)
+            return hook
+        try:
+            for key, lin in targets.items():
+                handles.append(lin.register_forward_hook(make(self.lora[f"{key}-a"], self.lora[f"{key}-b"])))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     # -- persistence: safetensors + JSON ----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
         """``path/bridge.safetensors`` + ``path/bridge.json`` (the model's identity and the tensor file's sha256
@@ -141,7 +199,8 @@ class LatentBridge(nn.Module):
 
         meta = {"format": FORMAT, "version": VERSION, "n_latent": self.n_latent, "hidden": self.hidden,
                 "hidden_layer": self.hidden_layer, "layers": list(self.layers), "read": self.read,
-                "tail_tokens": self.tail_tokens, "d": self.d, "identity": self.identity, "info": self.info}
+                "tail_tokens": self.tail_tokens, "lora_rank": self.lora_rank, "lora_modules": list(self.lora_modules),
+                "d": self.d, "identity": self.identity, "info": self.info}
         return write_artifact(path, "bridge", {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, meta)
 
     @classmethod
@@ -163,7 +222,8 @@ class LatentBridge(nn.Module):
                 f"{_describe(got)} (its {what} differ). Train one for this model with python -m "
                 "hf_kvreuse.latent.train")
         bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"], meta.get("layers"),
-                     meta.get("read", "last"), meta.get("tail_tokens", 0))
+                     meta.get("read", "last"), meta.get("tail_tokens", 0), meta.get("lora_rank", 0),
+                     tuple(meta.get("lora_modules", LORA_MODULES)))
         state, meta = read_artifact(path, "bridge", "LatentBridge")  # sha256 and finite values verified
         want = bridge.state_dict()
         if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
@@ -193,4 +253,19 @@ class LatentBridge(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"n_latent={self.n_latent}, hidden={self.hidden}, layers={self.layers}, read={self.read}, "
-                f"tail_tokens={self.tail_tokens}, d={self.d}")
+                f"tail_tokens={self.tail_tokens}, lora_rank={self.lora_rank}, d={self.d}")
+
+
+def _lora_targets(model, names: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """``{"<layer>-<name>": nn.Linear}`` of every decoder layer's modules named ``names`` (last component)."""
+    from ..generation.partial import _decoder
+
+    out = {}
+    for i, layer in enumerate(_decoder(model).layers):
+        found = {n.rsplit(".", 1)[-1]: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise ValueError(f"LatentBridge LoRA: decoder layer {i} of {type(model).__name__} has no linear module "
+                             f"named {missing} (it has {sorted(found)})")
+        out.update({f"{i}-{n}": found[n] for n in names})
+    return out

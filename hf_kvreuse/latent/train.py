@@ -20,6 +20,7 @@ holds ``bridge.safetensors`` / ``bridge.json`` (the checkpoint) and ``trainer.sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -114,6 +115,7 @@ def student_logits_batch(model, bridge: LatentBridge | None, exs: list[Example],
     from ..kv import load_kv
 
     p = next(model.parameters())
+    lora = bridge.lora_rank if bridge is not None and z is None else 0  # free latents run without the LoRA
     if z is None and bridge is not None and bridge.n_latent:
         z = bridge.latents(exs).to(p.device)
     n = 0 if z is None else z.shape[1]
@@ -157,8 +159,12 @@ def student_logits_batch(model, bridge: LatentBridge | None, exs: list[Example],
             pos[i, xi.shape[1]:] = pi[-1] + 1 + torch.arange(T - xi.shape[1])
     cache = load_kv(DynamicCache(config=model.config), kv)
     masks = mask if B > 1 or C + T > int(mask.sum()) else None
-    hidden = model.model(inputs_embeds=x, position_ids=pos.to(p.device), attention_mask=masks, use_cache=True,
-                         **cache_kwargs(cache)).last_hidden_state
+    on_latents = torch.zeros(B, T, dtype=torch.bool, device=p.device)  # where a LoRA bridge acts
+    for i, c in enumerate(kept):
+        on_latents[i, exs[i].e - c: exs[i].e - c + n] = True
+    with bridge.lora_active(model, on_latents) if lora else contextlib.nullcontext():
+        hidden = model.model(inputs_embeds=x, position_ids=pos.to(p.device), attention_mask=masks, use_cache=True,
+                             **cache_kwargs(cache)).last_hidden_state
     out = []
     for i, (ex, c) in enumerate(zip(exs, kept)):
         start = (ex.e - c) + n + ex.first
@@ -225,6 +231,8 @@ class TrainConfig:
     layers: tuple = (-1,)
     read: str = "last"                  # "last" or "attn" (attention-pooled prefix rows as well)
     tail_tokens: int = 0                # latents plus Tail-k: block rows recomputed with the latents
+    lora_rank: int = 0                  # RestoreKV's bridge: a LoRA active on the latent rows (0: none)
+    lora_lr: float = 1e-3               # its stage-3 learning rate
     lr: float = 2e-3                    # stage 3 (distillation) AdamW
     batch: int = 8
     loss: str = "continuation"          # or "first": only the first answer token
@@ -344,13 +352,15 @@ _INIT_LOCK = threading.Lock()
 
 def _initial_bridge(model, out: Path, cfg: TrainConfig, conf: dict, state_path: Path) -> LatentBridge:
     if state_path.exists():
-        old = json.loads(state_path.read_text())["config"]
+        # a run saved before a field existed ran with its default
+        old = {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(TrainConfig()).items()},
+               **json.loads(state_path.read_text())["config"]}
         if {k: v for k, v in old.items() if k not in ("budget_cpu_s", "max_steps")} != \
                 {k: v for k, v in conf.items() if k not in ("budget_cpu_s", "max_steps")}:
             raise ValueError(f"{out} holds a run with another configuration ({old}); use another --out")
         return LatentBridge.load(out, model)
     return LatentBridge(model, cfg.n_latent, cfg.hidden, layers=tuple(cfg.layers), read=cfg.read,
-                        tail_tokens=cfg.tail_tokens)
+                        tail_tokens=cfg.tail_tokens, lora_rank=cfg.lora_rank)
 
 
 def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True,
@@ -420,7 +430,10 @@ def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, 
         spend("stage2", t0)
         state["stage"] = 3
         _save_state(out, bridge, None, state)
-    opt = torch.optim.AdamW(bridge.parameters(), lr=cfg.lr, weight_decay=0.0)
+    lora = [prm for name, prm in bridge.named_parameters() if name.startswith("lora.")]
+    rest = [prm for name, prm in bridge.named_parameters() if not name.startswith("lora.")]
+    groups = [{"params": rest}] + ([{"params": lora, "lr": cfg.lora_lr}] if lora else [])
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     if (out / "trainer.json").exists() and state["step"] > 0:
         _load_trainer(out, opt)
     bar = tqdm(initial=state["step"], desc="stage 3: distillation", disable=not progress)
