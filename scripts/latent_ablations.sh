@@ -24,7 +24,7 @@ case "$1" in
 --save-every 5 --threads 1 --tail-tokens 16 --compare shipped --out $D/runs/final_tail16 --result $R/latent_train_final_tail16.json ;;
   # session of 2026-12-02 (a quiet machine: a whole core per run): more training records (seed 1, 60 per family,
   # 480 examples; train_all = train + train_more, 704 examples) and a larger held-out dev set (seed 8, 34 records
-  # per held-out family; dev_big = dev + dev_big_new, 268 examples), then latents +/- Tail-16 at one budget each
+  # per held-out family; dev_big = dev + dev_big_new, 268 examples), then latents + Tail-16 with and without a LoRA at one budget each (all_plain: not run)
   data_more) M="python -m hf_kvreuse.latent.data --model qwen2.5-0.5b --threads 1"
      $M --families retrieval extract code --n 34 --seed 8 --out $D/dev_big_new
      $M --families inventory schedule phonebook prices --n 60 --seed 1 --out $D/train_more
@@ -34,8 +34,11 @@ case "$1" in
   all_tail16) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
 --lr 5e-3 --save-every 10 --threads 1 --tail-tokens 16 --compare shipped --out $D/runs/all_tail16 \
 --result $R/latent_train_all_tail16.json ;;
+  all_tail16_lora8) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
+--lr 5e-3 --save-every 10 --threads 1 --tail-tokens 16 --lora-rank 8 --lora-lr 1e-3 --out $D/runs/all_tail16_lora8 \
+--result $R/latent_train_all_tail16_lora8.json ;;
   all_plain) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
 --lr 5e-3 --save-every 10 --threads 1 --out $D/runs/all_plain --result $R/latent_train_all_plain.json ;;
-  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_plain"
+  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_tail16_lora8|all_plain"
      exit 2 ;;
 esac
