@@ -102,7 +102,7 @@ class LatentBridge(nn.Module):
             nn.init.zeros_(self.mlp[2].bias)
         self.lora_rank = int(lora_rank) if n_latent else 0
         self.lora_modules = tuple(lora_modules)
-        self.lora = nn.ParameterDict()
+        self.lora = _LoRAParams()
         if self.lora_rank:
             gen = torch.Generator().manual_seed(0)
             for key, lin in _lora_targets(model, self.lora_modules).items():
@@ -254,6 +254,15 @@ class LatentBridge(nn.Module):
     def extra_repr(self) -> str:
         return (f"n_latent={self.n_latent}, hidden={self.hidden}, layers={self.layers}, read={self.read}, "
                 f"tail_tokens={self.tail_tokens}, lora_rank={self.lora_rank}, d={self.d}")
+
+
+class _LoRAParams(nn.ParameterDict):
+    """The LoRA's ``A`` / ``B`` per ``"<layer>-<module>"``; printed as one summary line, not 8 lines per layer."""
+
+    def extra_repr(self) -> str:
+        mods = sorted({k.split("-")[1] for k in self.keys()})
+        return f"{len(self) // 2} adapted projections ({', '.join(mods)}), {sum(p.numel() for p in self.values())} " \
+               "numbers" if len(self) else "none"
 
 
 def _lora_targets(model, names: tuple[str, ...]) -> dict[str, nn.Linear]:
