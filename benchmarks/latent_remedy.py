@@ -8,7 +8,8 @@ the block K/V that agent X computed under its own prefix), greedy answers of age
 * ``post``: reuse plus the harness's text bridge after the block ("Current task objective (takes priority): ...");
 * ``tail16``: reuse, the block's last 16 tokens recomputed;
 * ``blend``: CacheBlend (15% of the block rows recomputed after layer 1);
-* ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint), no tail;
+* ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint) and the tail
+  it was trained with (``bridge.tail_tokens``: 0 for the checkpoints before 2026-12-02, 16 for the shipped one);
 * ``latent_tail16``: the same bridge plus Tail-16 (the block's last 16 rows recomputed with the latents);
 * ``--extra-bridges NAME=PATH``: more LatentRemedy variants (each with the tail its bridge was trained with).
 
@@ -132,8 +133,9 @@ def main(argv=None) -> None:
                              "post": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "blend": lambda: BlendCache(model, torch.tensor([use_ids]), [use_span], **kw),
+                             # the bridge's own Tail-k (what it was trained with; 0 for a plain bridge)
                              "latent": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
-                                                                 bridge=bridge, tail_tokens=0, **kw),
+                                                                 bridge=bridge, **kw),
                              "latent_tail16": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
                                                                         bridge=bridge, tail_tokens=16, **kw),
                              **{k: (lambda b=b: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span], bridge=b,
