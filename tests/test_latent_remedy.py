@@ -163,20 +163,26 @@ def test_a_few_steps_lower_the_distillation_loss():
     br = LatentBridge(m, n_latent=4, hidden=32)
     for p in m.parameters():
         p.requires_grad_(False)
-    opt = torch.optim.AdamW(br.parameters(), lr=1e-2)
+    before, after = _distil(m, br, exs, br.parameters())
+    assert after < 0.5 * before
+    for p in m.parameters():
+        p.requires_grad_(True)
+
+
+def _distil(m, br, exs, params, steps=25):
+    """Total distillation loss of ``exs`` before and after ``steps`` AdamW steps on ``params``."""
+    opt = torch.optim.AdamW(params, lr=1e-2)
 
     def total():
         with torch.no_grad():
             return sum(float(student_loss(m, br, e)) for e in exs)
     before = total()
-    for _ in range(25):
+    for _ in range(steps):
         loss = sum(student_loss(m, br, e) for e in exs) / len(exs)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert total() < 0.5 * before
-    for p in m.parameters():
-        p.requires_grad_(True)
+    return before, total()
 
 
 @needs_offset
@@ -578,19 +584,9 @@ def test_lora_bridge_trains():
     br = LatentBridge(m, n_latent=4, hidden=32, lora_rank=4)
     for p in m.parameters():
         p.requires_grad_(False)
-    opt = torch.optim.AdamW(br.lora.parameters(), lr=1e-2)
-
-    def total():
-        with torch.no_grad():
-            return sum(float(student_loss(m, br, e)) for e in exs)
     try:
-        before = total()
-        for _ in range(25):
-            loss = sum(student_loss(m, br, e) for e in exs) / len(exs)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        assert total() < 0.67 * before
+        before, after = _distil(m, br, exs, br.lora.parameters())
+        assert after < 0.67 * before
         assert any(float(p.detach().abs().max()) > 0 for k, p in br.lora.items() if k.endswith("-b"))
     finally:
         for p in m.parameters():
