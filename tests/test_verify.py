@@ -285,12 +285,76 @@ def test_gate_swaps_at_the_first_uncertain_step(llama, held):
     assert int(out[0, n + first]) == int(exact_next)
 
 
+def test_gate_tokens_wait_before_a_decisive_token(llama, held):
+    """``gate_tokens=``: greedy, the first optimistic step whose greedy choice is a decisive token is gated (the
+    tokens before it are the optimistic ones, that step's token is the exact model's choice after them); a token
+    that no step would emit gates nothing.
+
+    Planted bug that fails it: ``_decisive_due`` tests the second-ranked token instead of the greedy choice."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    n = ids_b.shape[1]
+    probe = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+    drafts = llama.generate(ids_b, cache=probe, max_new_tokens=6, do_sample=False)[0, n:].tolist()
+    step = 2 if drafts[2] not in drafts[:2] else next(i for i in range(6) if drafts[i] not in drafts[:i])
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit",
+                            gate_tokens=[drafts[step]])
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=8, do_sample=False)
+    assert cache.stats.gated_step == step and cache.stats.gate_reason == "token"
+    assert out[0, n:n + step].tolist() == drafts[:step]
+    with torch.no_grad():
+        exact_next = llama(out[:, : n + step]).logits[0, -1].argmax()
+    assert int(out[0, n + step]) == int(exact_next)
+    unused = next(t for t in range(3, 128) if t not in drafts)
+    quiet = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit",
+                            gate_tokens=torch.tensor([unused]))
+    llama.generate(ids_b, cache=quiet, max_new_tokens=8, do_sample=False)
+    assert quiet.stats.gated_step is None and quiet.stats.swap_step == 6
+
+
+def test_gate_tokens_when_sampling_gate_every_step_that_could_draw_one(llama, held):
+    """Sampling: a decisive token that the call's processed distribution can draw gates the step (without top-k
+    every token can be drawn: the first step is gated, so no optimistic token is emitted); with ``top_k=1`` only
+    the greedy choice can be drawn, so a token outside it gates nothing.
+
+    Planted bug that fails it: ``_decisive_due`` applies the greedy rule when sampling (the first step is then not
+    gated)."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    n = ids_b.shape[1]
+    probe = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+    drafts = llama.generate(ids_b, cache=probe, max_new_tokens=6, do_sample=False)[0, n:].tolist()
+    unused = next(t for t in range(3, 128) if t not in drafts)
+    every = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit",
+                            gate_tokens=[unused])
+    torch.manual_seed(0)
+    llama.generate(ids_b, cache=every, max_new_tokens=4, do_sample=True, top_k=0)
+    assert every.stats.gated_step == 0 and every.stats.optimistic_tokens == 0 and every.stats.gate_reason == "token"
+    top1 = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit",
+                           gate_tokens=[unused])
+    torch.manual_seed(0)
+    llama.generate(ids_b, cache=top1, max_new_tokens=8, do_sample=True, top_k=1)
+    assert top1.stats.gated_step is None and top1.stats.swap_step == 6
+
+
+def test_gate_tokens_errors(llama):
+    """Bad ``gate_tokens`` are refused at construction, naming the problem."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    with pytest.raises(ValueError, match="rebase='commit'"):
+        OptimisticCache(llama, ids_b, cache_a, seq_a, rebase="verify", gate_tokens=[5])
+    with pytest.raises(ValueError, match="not token ids"):
+        OptimisticCache(llama, ids_b, cache_a, seq_a, rebase="commit", gate_tokens=[5, 10**9])
+    with pytest.raises(TypeError, match="iterable of token ids"):
+        OptimisticCache(llama, ids_b, cache_a, seq_a, rebase="commit", gate_tokens="Yes")
+
+
 def test_draft_margins_are_each_optimistic_steps_margin(llama, held):
     """``stats.draft_margins`` holds, for every step decided from the optimistic cache, the top-1 minus top-2
     probability of the scores generate chose from (commit), and one margin per draft under verify: what
     scripts/gate_curve.py reads to replay any gate threshold offline.
 
-    Planted bug that fails it: ``_margin`` returns the top-1 probability instead of top-1 minus top-2."""
+    Planted bug that fails it: ``after_forward`` records the top-1 probability instead of top-1 minus top-2."""
     ids_a, ids_b = _agents()
     cache_a, seq_a = _donor(llama, ids_a)
     commit = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=5, rebase="commit")

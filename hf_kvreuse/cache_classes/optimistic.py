@@ -21,7 +21,8 @@ algorithm of METHODS.md §2.1, whose details are our reading of the abstract). A
      replay's logits count how many optimistic tokens exact greedy decoding would not have chosen
      (``divergent_tokens``). Two options bring commit closer to full prefill: a confidence gate (``gate=``, stop
      emitting optimistic tokens at the first uncertain step: that step's token already comes from the exact
-     cache) and a repair of the optimistic cache before the first token (``repair=``).
+     cache; ``gate_tokens=``, the same before a token the caller marks as decisive) and a repair of the
+     optimistic cache before the first token (``repair=``).
    * ``"verify"``: they are drafts, verified by the replay's exact logits as speculative decoding verifies a
      draft model's tokens (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
      Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"). Greedy: the
@@ -103,7 +104,10 @@ class OptimisticStats:
     first_verified_token_s : float or None
         ``generate`` entry to the first token that will not be withdrawn.
     gated_step : int or None
-        ``"commit"`` with ``gate=``: the step whose uncertain logits triggered the swap (None: no gate fired).
+        ``"commit"`` with ``gate=`` or ``gate_tokens=``: the step whose logits triggered the swap (None: no gate
+        fired).
+    gate_reason : str or None
+        Why that step was gated: ``"margin"`` (below ``gate``) or ``"token"`` (a decisive token was due).
     repaired_tokens : int
         Donor rows recomputed before the first token (``repair="blend"`` / ``"epic"``); counted in ``new_tokens``.
     draft_margins : list of float
@@ -136,6 +140,7 @@ class OptimisticStats:
     rejected_tokens: int | None = None      # verify: drafts withdrawn (the first one replaced by the exact choice)
     first_verified_token_s: float | None = None  # generate() entry -> the first token that will not be withdrawn
     gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
+    gate_reason: str | None = None          # "margin" (below gate) or "token" (a decisive token was due)
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
     draft_margins: list[float] = field(default_factory=list, repr=False)  # p1 - p2 at every optimistic step
 
@@ -211,6 +216,14 @@ class OptimisticCache(KVReuseCache):
         ``rebase="commit"`` only: stop emitting optimistic tokens at the first step whose top-1 probability margin
         (``p1 - p2`` of the call's processed distribution) is below ``gate``; that step's token then comes from the
         exact cache (the foreground waits for it). None: no gate.
+    gate_tokens : iterable of int, optional
+        ``rebase="commit"`` only: token ids the caller marks as decisive (the first token of "Yes" / "No", of a
+        number, of a function name, ...): no optimistic step emits one; the step that would is gated like an
+        uncertain one and its token comes from the exact cache. Greedy: a step is gated when its greedy choice is
+        one of them. Sampling: when the call's processed distribution gives any of them a nonzero probability
+        (with ``top_k`` / ``top_p`` that is the steps where one could be drawn; without them, every step: the
+        first token then already waits for the exact cache). The answers' tokens that decide a task then always
+        equal full prefill's choice after the same earlier tokens. None: no token gate.
     repair : {"blend", "epic"}, optional
         Recompute a few reused rows of the optimistic cache before the first token: "blend" (CacheBlend's
         deviation-based selection of ``repair_ratio`` of the reused rows after the exact prefix) or "epic" (the
@@ -231,7 +244,7 @@ class OptimisticCache(KVReuseCache):
                  on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False,
                  donor_exact: bool | list = False, verify_donor: bool = True,
                  rebase: Literal["verify", "commit"] = "commit", gate: float | None = None,
-                 repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
+                 gate_tokens=None, repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
                  repair_tokens: int = 16):
         from ..generation.mixin import enable
 
@@ -268,6 +281,7 @@ class OptimisticCache(KVReuseCache):
             raise ValueError("gate= applies to rebase='commit' (verify already withdraws every wrong draft)")
         if gate is not None and not 0.0 <= gate <= 1.0:
             raise ValueError("gate must be a probability margin in [0, 1]")
+        self._gate_tokens = self._decisive_ids(model, gate_tokens, rebase)
         if repair not in (None, "blend", "epic"):
             raise ValueError(f"repair={repair!r}: choose None, 'blend' or 'epic'")
         if not 0.0 <= repair_ratio <= 1.0 or repair_tokens < 0:
@@ -490,27 +504,57 @@ class OptimisticCache(KVReuseCache):
             self._count_divergence(outputs.logits[0, :-1], self._replay)
             self._replay = None
         # diagnostics off and no gate: no per-step softmax and host sync on the hot path
-        if not self._swapped and self._last_input_ids is not None and (self.record_divergence or self.gate is not None):
-            margin = self._margin(outputs)
+        if not self._swapped and self._last_input_ids is not None and (
+                self.record_divergence or self.gate is not None or self._gate_tokens is not None):
+            probs = self._step_probs(outputs)
+            top = probs.topk(2, dim=-1)
+            margin = float(top.values[0] - top.values[1])
             self.stats.draft_margins.append(margin)
             if self.gate is not None and margin < self.gate:
-                self._gate(outputs)
+                self._gate(outputs, "margin")
+            elif self._gate_tokens is not None and self._decisive_due(probs, int(top.indices[0])):
+                self._gate(outputs, "token")
 
-    def _margin(self, outputs) -> float:
-        """Top-1 minus top-2 probability of this optimistic step's processed scores."""
+    def _step_probs(self, outputs) -> torch.Tensor:
+        """``[V]``: the probabilities of this optimistic step's processed scores (what generate chooses from)."""
         ids = self._last_input_ids
-        scores = self.process_logits(ids, outputs.logits[0, -1:], ids.shape[1])
-        top = scores.softmax(-1).topk(2, dim=-1).values[0]
-        return float(top[0] - top[1])
+        return self.process_logits(ids, outputs.logits[0, -1:], ids.shape[1]).softmax(-1)[0]
 
-    def _gate(self, outputs) -> None:
-        """commit + gate: this optimistic step is uncertain: swap now and let generate choose this step's
-        token from the exact logits instead (its own selection reads ``outputs.logits`` after this hook)."""
+    @staticmethod
+    def _decisive_ids(model, gate_tokens, rebase: str) -> torch.Tensor | None:
+        """``gate_tokens`` checked: token ids of this model's vocabulary, under ``rebase="commit"``."""
+        if gate_tokens is None:
+            return None
+        if rebase != "commit":
+            raise ValueError("gate_tokens= applies to rebase='commit' (verify already withdraws every wrong draft)")
+        if isinstance(gate_tokens, (str, bytes)) or not hasattr(gate_tokens, "__iter__"):
+            raise TypeError(f"gate_tokens must be an iterable of token ids, got {type(gate_tokens).__name__} "
+                            "(e.g. tok.encode(' Yes', add_special_tokens=False)[:1] + ...)")
+        ids = [int(t) for t in (gate_tokens.flatten().tolist() if torch.is_tensor(gate_tokens) else gate_tokens)]
+        vocab = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                        "vocab_size", None)
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"gate_tokens {bad[:5]} are not token ids of {type(model).__name__} "
+                             f"(vocabulary of {vocab})")
+        return torch.tensor(sorted(set(ids)), dtype=torch.long) if ids else None
+
+    def _decisive_due(self, probs: torch.Tensor, greedy_choice: int) -> bool:
+        """Could this step emit a decisive token? Greedy: it is the greedy choice; sampling: it can be drawn."""
+        if getattr(self.generation_config, "do_sample", False):
+            return bool(probs[self._gate_tokens.to(probs.device)].sum() > 0)
+        return bool((self._gate_tokens == greedy_choice).any())
+
+    def _gate(self, outputs, reason: str) -> None:
+        """commit + gate: this optimistic step is uncertain (or due to emit a decisive token): swap now and let
+        generate choose this step's token from the exact logits instead (its own selection reads
+        ``outputs.logits`` after this hook)."""
         ids = self._last_input_ids
         n = self.input_ids.shape[1]
         generated = ids.shape[1] - n
         self._take_exact()
         self.stats.swap_step = self.stats.optimistic_tokens = self.stats.gated_step = generated
+        self.stats.gate_reason = reason
         # replay every fed token on the exact cache; its last row is this step's exact logits
         pos = torch.arange(n - 1, ids.shape[1], device=ids.device)[None]
         keep = 0 if (self.record_divergence and generated > 0) else 1
