@@ -152,6 +152,59 @@ def test_stopping_rules_hold_after_a_rollback(llama, held, rule):
         assert out.shape[1] == n + stop_at + 1
 
 
+def _char_tokenizer(vocab_size: int):
+    """A tokenizer whose token ``i`` is one character (letters first: transformers' stop-string matcher encodes
+    "abcdef"), with no merges: stop strings need a tokenizer."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    chars += "".join(chr(0x4E00 + i) for i in range(max(0, vocab_size - len(chars))))
+    backend = Tokenizer(BPE({c: i for i, c in enumerate(chars[:vocab_size])}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("where", ["in_withdrawn_draft", "at_the_verified_token", "after_rollback"])
+def test_stop_strings_hold_after_a_rollback(llama, held, where):
+    """``stop_strings=``: a stop string that only a withdrawn draft spells does not end the output; one the exact
+    model writes in place of the first withdrawn draft, or later, does, at the same token as plain generate.
+
+    Planted bug that fails it: ``_verify`` reports the generation as not done after the exact model's token
+    (``return ..., False``): [at_the_verified_token] fails (the continuation does not look back at the stop string
+    already written). (The continuing generate building its own stopping criteria is an equivalent mutant here: a
+    fresh stop-string criterion reads the same sequence.)"""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    n = ids_b.shape[1]
+    tok = _char_tokenizer(llama.config.vocab_size)
+    plain = llama.generate(ids_b, max_new_tokens=12, do_sample=False)[0, n:].tolist()
+    probe = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+    drafted = llama.generate(ids_b, cache=probe, max_new_tokens=6, do_sample=False)[0, n:].tolist()
+    if where == "in_withdrawn_draft":
+        stop = next(t for t, p in zip(drafted, plain) if t != p and t not in plain)
+    elif where == "at_the_verified_token":
+        j = next(i for i, (t, p) in enumerate(zip(drafted, plain)) if t != p)
+        stop = plain[j]
+        assert stop not in plain[:j] and stop not in drafted  # the seed gives such a token: no earlier stop
+    else:
+        stop = plain[next(i for i in range(6, 12) if plain[i] not in plain[:i])]
+    kw = dict(max_new_tokens=12, do_sample=False, stop_strings=[tok.convert_ids_to_tokens(stop)], tokenizer=tok,
+              pad_token_id=0)
+    ref = llama.generate(ids_b, **kw)
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="verify")
+    out = llama.generate(ids_b, cache=cache, **kw)
+    assert torch.equal(out, ref), (where, out[0, n:], ref[0, n:])
+    assert cache.stats.rejected_tokens > 0
+    if where == "in_withdrawn_draft":
+        assert out.shape[1] == n + 12 and stop in drafted
+    elif where == "at_the_verified_token":
+        assert out.shape[1] == n + j + 1 and int(out[0, -1]) == stop
+    else:
+        assert out.shape[1] < n + 12 and int(out[0, -1]) == stop
+
+
 def test_streamer_receives_verified_tokens_only(llama, held):
     """The caller's streamer gets the prompt, then exactly the output's tokens (never a withdrawn draft), then
     ``end()`` once.
