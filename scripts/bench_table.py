@@ -5,6 +5,11 @@
 Columns: accuracy and final-answer agreement with full prefill (Wilson 95% intervals), the accuracy difference with
 full prefill on the same questions (paired Newcombe interval), median TTFT / full (the first token decoded: a draft
 under ``rebase="verify"``), median first-verified-token / full, end-to-end / full, accepted share of drafts.
+
+``--paired-against METHOD`` adds a second table: every other method's final-answer agreement and accuracy minus
+METHOD's, over the questions both ran (paired Newcombe 95% intervals), and how many questions each changes.
+
+    python scripts/bench_table.py benchmarks/results/bench/optimistic_modes_fp32/bench.json --paired-against auto-commit
 """
 
 import argparse
@@ -35,11 +40,44 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def paired_table(result: dict, against: str) -> str:
+    """Per method: (agreement, accuracy) minus ``against``'s on the same (workflow, context, question) cells."""
+    from hf_kvreuse.cli import paired_difference
+
+    by = {}
+    for r in result["records"]:
+        by.setdefault(r["method"], {})[(r["workflow"], r["context_tokens"], r["question"])] = r
+    if against not in by:
+        raise SystemExit(f"--paired-against {against!r}: the result has methods {sorted(by)}")
+    base = by[against]
+    lines = [f"| method | n (paired) | final answer = full's, minus {against}'s [95% CI] | questions won / lost "
+             f"| accuracy minus {against}'s [95% CI] |", "|---|---|---|---|---|"]
+    for m, recs in by.items():
+        if m in (against, "full"):
+            continue
+        keys = sorted(set(recs) & set(base))
+        if not keys:
+            continue
+        x, y = [bool(recs[k]["agrees"]) for k in keys], [bool(base[k]["agrees"]) for k in keys]
+        d, lo, hi = paired_difference(x, y)
+        cx, cy = [bool(recs[k]["correct"]) for k in keys], [bool(base[k]["correct"]) for k in keys]
+        cd, clo, chi = paired_difference(cx, cy)
+        won, lost = sum(a and not b for a, b in zip(x, y)), sum(b and not a for a, b in zip(x, y))
+        lines.append(f"| {m} | {len(keys)} | {100 * d:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] | {won} / {lost} | "
+                     f"{100 * cd:+.0f} [{100 * clo:+.0f}, {100 * chi:+.0f}] |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench_json")
+    p.add_argument("--paired-against", metavar="METHOD", help="also: every method minus METHOD, paired by question")
     a = p.parse_args(argv)
-    print(table(json.loads(Path(a.bench_json).read_text())))
+    result = json.loads(Path(a.bench_json).read_text())
+    print(table(result))
+    if a.paired_against:
+        print()
+        print(paired_table(result, a.paired_against))
 
 
 if __name__ == "__main__":

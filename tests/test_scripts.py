@@ -187,3 +187,30 @@ def test_gate_curve_replays_thresholds_from_verified_drafts():
     assert rows[0.0]["agreement_lower_bound"] == 0.0 and rows[0.0]["clean_call_share"] == 0.5
     assert rows[0.5]["agreement_lower_bound"] == 1.0 and rows[0.5]["gated_at_first_token"] == 1
     assert rows[0.0]["ttft_ratio"] == 0.1 and rows[0.5]["ttft_ratio"] == (0.1 + 0.6) / 2
+
+
+def test_bench_table_pairs_methods_by_question():
+    """scripts/bench_table.py --paired-against: a method is compared with the baseline on the questions both ran,
+    matched by (workflow, context, question); wins and losses count questions where only one agrees with full.
+    Planted bug that fails it: pairing by record order instead of by question (the shuffled baseline then gives
+    other wins / losses)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_table
+    finally:
+        sys.path.pop(0)
+
+    def rec(method, q, agrees, correct):
+        return dict(workflow="w", context_tokens=1000, question=q, method=method, agrees=agrees, correct=correct)
+
+    base = [rec("base", f"q{i}", agrees=i < 6, correct=i < 3) for i in range(10)]
+    other = [rec("other", f"q{i}", agrees=i < 9, correct=i < 3) for i in range(10)]
+    extra = [rec("other", "q99", agrees=True, correct=True)]  # no baseline record: left out of the pairs
+    result = {"records": base[::-1] + other + extra + [rec("full", "q0", True, True)]}
+    lines = bench_table.paired_table(result, "base").splitlines()
+    assert len(lines) == 3
+    cols = [c.strip() for c in lines[2].split("|")]
+    assert cols[1:3] == ["other", "10"] and cols[3].startswith("+30 [") and cols[4] == "3 / 0"
+    assert cols[5].startswith("+0 [")
+    with pytest.raises(SystemExit, match="has methods"):
+        bench_table.paired_table(result, "nope")
