@@ -116,6 +116,16 @@ def parse_config(text: str) -> dict:
             "prefix": int(parts[3]) if len(parts) == 4 else 0}
 
 
+def scorer_of(name: str):
+    """A selector name, or ``first-layer@C``: CacheBlend's deviation checked at target layer ``C`` (layers ``0..C``
+    run for every row and stay exact; plain ``first-layer`` checks layer 1)."""
+    if name.startswith("first-layer@"):
+        from hf_kvreuse.translation.scorers import FirstLayerDeviationScorer
+
+        return FirstLayerDeviationScorer(check_layer=int(name.split("@", 1)[1]))
+    return name
+
+
 @torch.no_grad()
 def run(a, argv) -> None:
     from translated import bootstrap_ratio
@@ -170,7 +180,7 @@ def run(a, argv) -> None:
         for c in todo:
             mapper = maps[c["map"]]
             sc = load_kv(DynamicCache(config=src.config), [(k.clone(), v.clone()) for k, v in src_kv])
-            sel = OracleScorer(true_kv) if c["scorer"] == "oracle" else c["scorer"]
+            sel = OracleScorer(true_kv) if c["scorer"] == "oracle" else scorer_of(c["scorer"])
             cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=c["ratio"], selector=sel,
                                     suffix_tokens=ref["suffix"], source_cache=sc, source_hidden=hidden,
                                     prefix_layers=c["prefix"])
@@ -314,7 +324,8 @@ def main(argv=None) -> None:
     p.add_argument("--work", default="/tmp/tr24/squad")
     p.add_argument("--map", action="append", default=[], help="NAME=PATH of a saved map")
     p.add_argument("--config", action="append", default=[],
-                   help="MAP:RATIO:SCORER[:EXACT_LAYERS] (scorer: rank, random, oracle, first-layer, ...); summarize: "
+                   help="MAP:RATIO:SCORER[:EXACT_LAYERS] (scorer: rank, random, oracle, first-layer, first-layer@C (deviation "
+                        "at layer C, layers 0..C exact), ...); summarize: "
                         "the row order (default: as found)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
