@@ -292,6 +292,15 @@ def summarize(a, argv) -> None:
     summarize_into(res, refs, configs, Path(a.out))
 
 
+def exact_layers(c: dict) -> int:
+    """Leading target layers every row runs through under configuration ``c``: its ``prefix_layers``, or more when
+    the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
+    e = c["prefix"]
+    if 0 < c["ratio"] < 1 and c["scorer"].startswith("first-layer"):
+        e = max(e, (int(c["scorer"].split("@", 1)[1]) if "@" in c["scorer"] else 1) + 1)
+    return e
+
+
 def table(path: str) -> str:
     """README rows of a summarised retention JSON."""
     d = json.loads(Path(path).read_text())
@@ -303,12 +312,14 @@ def table(path: str) -> str:
              f"{ci(s['full_ci'])}; source alone retention {pct(s['source_alone']['retention'])} "
              f"{ci(s['source_alone']['retention_ci'])}", "",
              "| map | ratio | scorer | exact leading layers | recomputed | retention [95% CI] | agreement | vs source alone (pts) "
-             "| Spearman / top-30% with oracle |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in s["rows"]:
+             f"| accuracy vs {s['rows'][0]['key']} (pts, paired) | Spearman / top-30% with oracle |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for j, r in enumerate(s["rows"]):
         sp = (f"{r['spearman_with_oracle']:.2f} / {pct(r['top30_overlap'])}" if "spearman_with_oracle" in r else "-")
-        lines.append(f"| {r['map']} | {r['ratio']} | {r['scorer']} | {r['prefix']} | {pct(r['recomputed_share'])} | "
+        first = pd(r["vs_first"]) if j and "vs_first" in r else "-"
+        lines.append(f"| {r['map']} | {r['ratio']} | {r['scorer']} | {exact_layers(r)} | {pct(r['recomputed_share'])} | "
                      f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} | "
-                     f"{pd(r['vs_source_alone'])} | {sp} |")
+                     f"{pd(r['vs_source_alone'])} | {first} | {sp} |")
     return "\n".join(lines)
 
 
