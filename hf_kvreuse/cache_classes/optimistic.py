@@ -282,6 +282,7 @@ class OptimisticCache(KVReuseCache):
         if gate is not None and not 0.0 <= gate <= 1.0:
             raise ValueError("gate must be a probability margin in [0, 1]")
         self._gate_tokens = self._decisive_ids(model, gate_tokens, rebase)
+        self._gate_ids = frozenset(self._gate_tokens.tolist()) if self._gate_tokens is not None else frozenset()
         if repair not in (None, "blend", "epic"):
             raise ValueError(f"repair={repair!r}: choose None, 'blend' or 'epic'")
         if not 0.0 <= repair_ratio <= 1.0 or repair_tokens < 0:
@@ -541,9 +542,11 @@ class OptimisticCache(KVReuseCache):
 
     def _decisive_due(self, probs: torch.Tensor, greedy_choice: int) -> bool:
         """Could this step emit a decisive token? Greedy: it is the greedy choice; sampling: it can be drawn."""
+        if self._gate_tokens.device != probs.device:  # moved once, not every step
+            self._gate_tokens = self._gate_tokens.to(probs.device)
         if getattr(self.generation_config, "do_sample", False):
-            return bool(probs[self._gate_tokens.to(probs.device)].sum() > 0)
-        return bool((self._gate_tokens == greedy_choice).any())
+            return bool(probs[self._gate_tokens].sum() > 0)
+        return greedy_choice in self._gate_ids
 
     def _gate(self, outputs, reason: str) -> None:
         """commit + gate: this optimistic step is uncertain (or due to emit a decisive token): swap now and let
