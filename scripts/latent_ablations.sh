@@ -5,17 +5,19 @@
 # (python -m hf_kvreuse.latent.data, see README):
 D=${D:-/work/i25data}
 B=${B:-240}   # CPU seconds of training per ablation (data loading and the dev evaluation excluded)
+RUNS=${RUNS:-$D/runs}   # run folders (a folder with a saved state resumes: give a fresh one for a new budget)
+SFX=${SFX:-}            # suffix of the result JSONs (e.g. _600 for B=600)
 T="python -m hf_kvreuse.latent.train --data $D/train_abl --dev $D/dev \
 --budget-cpu-s $B --lr 5e-3 --threads 1"
 R=benchmarks/results
 case "$1" in
-  scratch)   $T --out $D/runs/scratch --result $R/latent_ablation_scratch.json ;;
-  amortised) $T --stage1-examples 24 --stage1-steps 8 --out $D/runs/amortised --result $R/latent_ablation_amortised.json ;;
-  pooled)    $T --layers -1 11 19 --read attn --out $D/runs/pooled --result $R/latent_ablation_pooled.json ;;
-  n4)        $T --n-latent 4 --out $D/runs/n4 --result $R/latent_ablation_n4.json ;;
-  n16)       $T --n-latent 16 --out $D/runs/n16 --result $R/latent_ablation_n16.json ;;
-  wide)      $T --hidden 1024 --out $D/runs/wide --result $R/latent_ablation_wide.json ;;
-  tail16)    $T --tail-tokens 16 --out $D/runs/tail16 --result $R/latent_ablation_tail16.json ;;
+  scratch)   $T --out $RUNS/scratch --result $R/latent_ablation_scratch$SFX.json ;;
+  amortised) $T --stage1-examples 24 --stage1-steps 8 --out $RUNS/amortised --result $R/latent_ablation_amortised$SFX.json ;;
+  pooled)    $T --layers -1 11 19 --read attn --out $RUNS/pooled --result $R/latent_ablation_pooled$SFX.json ;;
+  n4)        $T --n-latent 4 --out $RUNS/n4 --result $R/latent_ablation_n4$SFX.json ;;
+  n16)       $T --n-latent 16 --out $RUNS/n16 --result $R/latent_ablation_n16$SFX.json ;;
+  wide)      $T --hidden 1024 --out $RUNS/wide --result $R/latent_ablation_wide$SFX.json ;;
+  tail16)    $T --tail-tokens 16 --out $RUNS/tail16 --result $R/latent_ablation_tail16$SFX.json ;;
   # the shipped candidates: every training record (inventory 40, schedule 24, phonebook 24, prices 24 records:
   # 224 examples), started before the screen above had finished (the machine's CPU share did not allow waiting)
   final_plain)  python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev --budget-cpu-s ${BF:-1500} --lr 5e-3 \
