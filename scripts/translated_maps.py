@@ -71,10 +71,15 @@ def main(argv=None) -> None:
     p.add_argument("--fit-only", action="store_true", help="fit and --save the variants, score nothing")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--variant", default="kv+hidden band1", help="residual: the linear map it corrects")
-    p.add_argument("--layers", type=int, nargs="*", default=[0, 4, 9, 13, 18, 22, 27], help="residual: target layers")
+    p.add_argument("--layers", type=int, nargs="*", default=[], help="residual: target layers (default: all)")
+    p.add_argument("--base", default=None, help="residual: a saved linear map to correct (else --variant)")
     p.add_argument("--calib", type=int, nargs=2, default=[0, 24], help="residual: dumped prompts it trains on")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-3, help="residual: Adam learning rate")
+    p.add_argument("--held-calib", type=int, nargs=2, default=None,
+                   help="residual: held-out rows from these dumped DROP prompts (the calibration distribution) "
+                        "instead of the SQuAD items")
     p.add_argument("--out", default="-")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -161,75 +166,83 @@ def table(paths: list[str]) -> str:
 
 
 def residual(a, argv) -> None:
-    """(c) a low-rank non-linear residual per target layer on top of the linear map: ``[K|V] += gelu(x_s A + c) U``
-    (x_s: the linear map's inputs, standardised), trained with Adam on the calibration rows' residuals; held-out
-    R² of the linear map and of linear + residual, on the layers ``--layers``."""
+    """(c) a low-rank non-linear residual per target layer on top of a linear map (the library's
+    :func:`~hf_kvreuse.translation.residual.train_residual`: ``[K~|V] += gelu(((x - mu) / sd) A + c) U``), trained on
+    the calibration dumps ``--calib``; held-out R² of the linear map and of linear + residual per layer (the first
+    ``--held`` prepared SQuAD items). ``--base DIR``: correct a saved map (else solve ``--variant`` from
+    ``--moments``); ``--save DIR``: keep the corrected map (retention runs); ``--layers`` none given: all."""
+    from hf_kvreuse.translation.residual import ResidualConfig, apply_residual, train_residual
+
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    m = R.load_moments(Path(a.moments[0]))
-    for f in a.moments[1:]:
-        m.merge(R.load_moments(Path(f)))
-    cfg, blocks = variants()[a.variant]
-    mapper = KVMapper.from_moments(m, R.GEOMETRY, cfg, blocks)
+    if a.base:
+        mapper = KVMapper.load(a.base)
+    else:
+        m = R.load_moments(Path(a.moments[0]))
+        for f in a.moments[1:]:
+            m.merge(R.load_moments(Path(f)))
+        cfg, blocks = variants()[a.variant]
+        mapper = KVMapper.from_moments(m, R.GEOMETRY, cfg, blocks)
+    rcfg = ResidualConfig(rank=a.rank, epochs=a.epochs, lr=a.lr)
     src_sh, tgt_sh = R.qwen_shifters()
-    held = [R.squad_item(a.squad, i, src_sh, tgt_sh) for i in range(a.held)]
+    held = ([R.prompt(a.feats, i) for i in range(*a.held_calib)] if a.held_calib else
+            [R.squad_item(a.squad, i, src_sh, tgt_sh) for i in range(a.held)])
     xs_h = torch.cat([R.source_rows(d)[4:] for d in held])
     ys_h = torch.cat([R.target_rows(d)[4:] for d in held])
     calib = [R.prompt(a.feats, i) for i in range(*a.calib)]
+    xf = torch.cat([R.source_rows(d)[4:] for d in calib])
+    yf = torch.cat([R.target_rows(d)[4:] for d in calib])
+    del calib
     result = {"command": "python scripts/translated_maps.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "git_commit": _git(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a), "calibration_rows": m.n,
-              "layers": {}}
+              "git_commit": _git(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a),
+              "base": a.base or a.variant, "residual_config": vars(rcfg), "calibration_rows": int(xf.shape[0]),
+              "held_out_rows": int(xs_h.shape[0]), "layers": {}}
     out = Path(a.out)
     pred = R.mapper_predict(mapper)
-    for t in a.layers:
+
+    def r2(p_, y_):
+        return 1 - float(((p_ - y_) ** 2).sum() / ((y_ - y_.mean(0)) ** 2).sum())
+
+    def r2_split(p_, y_):
+        return r2(p_[:, :R.FT], y_[:, :R.FT]), r2(p_[:, R.FT:], y_[:, R.FT:])
+
+    for t in a.layers or range(R.LT):
         lm = mapper.layers[t]
+        lm.residual = None
         bu = lm.union_blocks()
-        x = torch.cat([torch.cat([R.source_rows(d)[4:, R.LAYOUT.cols(b)] for b in bu], 1) for d in calib])
-        xf = torch.cat([R.source_rows(d)[4:] for d in calib])
-        y = torch.cat([R.target_rows(d)[4:, t * 2 * R.FT:(t + 1) * 2 * R.FT] for d in calib])
+        x = torch.cat([xf[:, R.LAYOUT.cols(b)] for b in bu], 1)
+        y = yf[:, t * 2 * R.FT:(t + 1) * 2 * R.FT]
         lin = torch.cat(pred(xf, t), 1)
-        del xf
-        resid = y - lin
-        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
-        xs = (x - mu) / sd
-        xh = torch.cat([xs_h[:, R.LAYOUT.cols(b)] for b in bu], 1)
-        xh = (xh - mu) / sd
-        yh = ys_h[:, t * 2 * R.FT:(t + 1) * 2 * R.FT]
-        lin_h = torch.cat(pred(xs_h, t), 1)
-        A = torch.nn.Parameter(torch.randn(xs.shape[1], a.rank) / xs.shape[1] ** 0.5)
-        c = torch.nn.Parameter(torch.zeros(a.rank))
-        U = torch.nn.Parameter(torch.zeros(a.rank, y.shape[1]))
-        opt = torch.optim.Adam([A, c, U], lr=1e-3, weight_decay=1e-4)
-        scale = resid.std(0).clamp_min(1e-6)
-
-        def r2(p_, y_):
-            return 1 - float(((p_ - y_) ** 2).sum() / ((y_ - y_.mean(0)) ** 2).sum())
-
-        def r2_split(p_, y_):
-            return r2(p_[:, :R.FT], y_[:, :R.FT]), r2(p_[:, R.FT:], y_[:, R.FT:])
-
-        hist = []
-        for ep in range(a.epochs):
-            perm = torch.randperm(xs.shape[0])
-            for j in range(0, len(perm), 256):
-                idx = perm[j:j + 256]
-                d = torch.nn.functional.gelu(xs[idx] @ A + c) @ U
-                loss = (((d - resid[idx]) / scale) ** 2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            with torch.no_grad():
-                ph = lin_h + torch.nn.functional.gelu(xh @ A + c) @ U
-                hist.append(r2_split(ph, yh))
+        res, stats = train_residual(x, lin, y, rcfg)
         with torch.no_grad():
-            result["layers"][str(t)] = {"linear_heldout_r2_kv": r2_split(lin_h, yh), "residual_heldout_r2_kv": hist[-1],
-                                        "per_epoch": hist, "linear_insample_r2_kv": r2_split(lin, y),
-                                        "residual_insample_r2_kv": r2_split(lin + torch.nn.functional.gelu(xs @ A + c) @ U, y),
-                                        "train_rows": xs.shape[0], "inputs": xs.shape[1]}
-        print(t, result["layers"][str(t)]["linear_heldout_r2_kv"], "->", hist[-1], f"{time.perf_counter() - t0:.0f} s",
-              flush=True)
+            xh = torch.cat([xs_h[:, R.LAYOUT.cols(b)] for b in bu], 1)
+            yh = ys_h[:, t * 2 * R.FT:(t + 1) * 2 * R.FT]
+            lin_h = torch.cat(pred(xs_h, t), 1)
+            by_hand = lin_h + apply_residual(res, xh)
+            lm.residual = res
+            lib = torch.cat(pred(xs_h, t), 1)   # the library's map_layer with the correction attached
+            assert torch.allclose(lib, by_hand, atol=1e-3, rtol=1e-4), "map_layer does not apply the trained residual"
+        result["layers"][str(t)] = {"linear_heldout_r2_kv": r2_split(lin_h, yh), "residual_heldout_r2_kv": r2_split(lib, yh),
+                                    "linear_insample_r2_kv": stats["linear_r2"],
+                                    "residual_insample_r2_kv": stats["residual_r2"], "train_rows": stats["rows"],
+                                    "inputs": x.shape[1], "train_s": stats["seconds"]}
+        print(t, result["layers"][str(t)]["linear_heldout_r2_kv"], "->", result["layers"][str(t)]["residual_heldout_r2_kv"],
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
         out.write_text(json.dumps(result, indent=1))
-
+    L = result["layers"].values()
+    result["mean"] = {key: [sum(r[key][i] for r in L) / len(L) for i in (0, 1)]
+                      for key in ("linear_heldout_r2_kv", "residual_heldout_r2_kv", "linear_insample_r2_kv",
+                                  "residual_insample_r2_kv")}
+    result["fit_s"] = time.perf_counter() - t0
+    if a.save:
+        mapper.info["residual"] = {"config": vars(rcfg), "calibration_rows": int(xf.shape[0]),
+                                   "calibration": f"DROP dumps {a.calib[0]}..{a.calib[1] - 1} (scripts/translated_features.py)",
+                                   "layers": {t: {k: r[k] for k in ("residual_insample_r2_kv", "train_rows")}
+                                              for t, r in result["layers"].items()}}
+        saved = mapper.save(a.save[0].split("=", 1)[-1])
+        result["saved"] = str(saved)
+        result["map_mb"] = mapper.nbytes / 2 ** 20
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["mean"]), f"{result['fit_s']:.0f} s", flush=True)
 
 if __name__ == "__main__":
     main()

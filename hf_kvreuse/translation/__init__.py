@@ -4,9 +4,11 @@
 from .mapper import (INPUT_KINDS, KVMapper, MapperConfig, MapperMismatchError, MapperStats, PairGeometry, model_identity,
                      run_source)
 from .moments import BlockLayout, BlockMoments
+from .residual import ResidualConfig, apply_residual, fit_residuals, train_residual
 from .scorers import (SCORERS, CombinedScorer, FirstLayerDeviationScorer, OracleScorer, RandomScorer,
                       RankDisagreementScorer, Scorer, make_scorer)
 
 __all__ = ["KVMapper", "MapperConfig", "MapperMismatchError", "MapperStats", "PairGeometry", "model_identity",
-           "run_source", "INPUT_KINDS", "BlockLayout", "BlockMoments", "SCORERS", "Scorer", "CombinedScorer",
-           "RankDisagreementScorer", "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer", "make_scorer"]
+           "run_source", "INPUT_KINDS", "ResidualConfig", "fit_residuals", "train_residual", "apply_residual",
+           "BlockLayout", "BlockMoments", "SCORERS", "Scorer", "CombinedScorer", "RankDisagreementScorer",
+           "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer", "make_scorer"]

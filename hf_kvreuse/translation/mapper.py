@@ -43,6 +43,7 @@ from ..devices import input_device
 from ..kv import KV, kv_of
 from ..rope import RopeShifter
 from .moments import depth_band
+from .residual import apply_residual
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)   # 1: K->K / V->V maps only (no inputs_* / residual tensors)
@@ -499,10 +500,9 @@ class KVMapper:
         xv = xk if lm.blocks("v") == lm.blocks("k") else gather(lm.blocks("v"), feats, hidden)
         dev = xk.device
         k, v = torch.addmm(lm.b_k.to(dev), xk, lm.w_k.to(dev)), torch.addmm(lm.b_v.to(dev), xv, lm.w_v.to(dev))
-        if lm.residual is not None:
-            r = {n: x.to(dev) for n, x in lm.residual.items()}
+        if lm.residual is not None:  # hf_kvreuse.translation.residual
             xu = xk if lm.union_blocks() == lm.blocks("k") else gather(lm.union_blocks(), feats, hidden)
-            d = torch.nn.functional.gelu(torch.addmm(r["c"], (xu - r["mu"]) / r["sd"], r["a"])) @ r["u"]
+            d = apply_residual(lm.residual, xu)
             ft = k.shape[-1]
             k, v = k + d[:, :ft], v + d[:, ft:]
         return k, v
@@ -628,7 +628,8 @@ class KVMapper:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(lm, a).numel() * 4 for lm in self.layers for a in ("w_k", "w_v"))
+        return sum(getattr(lm, a).numel() * 4 for lm in self.layers for a in ("w_k", "w_v")) + sum(
+            t.numel() * 4 for lm in self.layers for t in (lm.residual or {}).values())
 
     def __repr__(self) -> str:
         g = self.geometry
