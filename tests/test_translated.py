@@ -583,8 +583,9 @@ def test_combined_scorer_averages_ranks():
 
 def test_pair_fit_uses_the_measured_default_of_the_kind(tmp_path, monkeypatch):
     """`python -m hf_kvreuse.translation fit` makes the best measured kind (kv+hidden) with its measured ridge, and
-    qwen_pair_mapper passes each kind's ridge on. Planted bug: qwen_pair_mapper drops ``ridge_lambda=lam`` (the
-    hidden kinds are fitted at KVMapper.fit's 0.01, where they overfit) -> fails: the recorded ridge."""
+    qwen_pair_mapper passes each kind's ridge on; ``--dtype fp32`` loads both models in float32. Planted bug:
+    qwen_pair_mapper drops ``ridge_lambda=lam`` (the hidden kinds are fitted at KVMapper.fit's 0.01, where they
+    overfit) -> fails: the recorded ridge."""
     from hf_kvreuse.translation import __main__ as cli
     from hf_kvreuse.translation import pairs
 
@@ -605,8 +606,13 @@ def test_pair_fit_uses_the_measured_default_of_the_kind(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pairs, "calibration_ids", lambda tok, n, max_tokens: [torch.arange(8)])
     monkeypatch.setattr(pairs.KVMapper, "fit", staticmethod(fake_fit))
-    monkeypatch.setattr("hf_kvreuse.models.load_qwen", lambda *a, **k: (object(), object()))
+    dtypes = []
+    monkeypatch.setattr("hf_kvreuse.models.load_qwen",
+                        lambda *a, **k: (dtypes.append(k.get("dtype")), (object(), object()))[1])
     cli.main(["fit", "--out", str(tmp_path / "m"), "--calibration", "1"])
+    assert dtypes == [torch.bfloat16, torch.bfloat16]   # the default: the shipped map's dtype
+    cli.main(["fit", "--out", str(tmp_path / "m32"), "--calibration", "1", "--dtype", "fp32"])
+    assert dtypes[2:] == [torch.float32, torch.float32]
     assert seen["inputs"] == pairs.FIT_DEFAULT_INPUTS == "kv+hidden"
     assert seen["ridge_lambda"] == pairs.DEFAULT_RIDGE["kv+hidden"] == 0.3
     for kind, lam in pairs.DEFAULT_RIDGE.items():

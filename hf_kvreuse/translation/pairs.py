@@ -52,19 +52,21 @@ def default_map_path(name: str = QWEN_PAIR, inputs: str = "kv") -> Path:
 def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.PathLike | None = None,
                      n_calibration: int = 64, max_tokens: int = 512, stride: int = 2, refit: bool = False,
                      progress: bool = True, inputs: str = DEFAULT_INPUTS, hidden_band: int = 1,
-                     ridge_lambda: float | None = None) -> KVMapper:
+                     ridge_lambda: float | None = None, dtype: torch.dtype = torch.bfloat16) -> KVMapper:
     """The Qwen2.5-Coder 0.5B -> 1.5B map: loaded from ``path`` (default under the cache folder) or fitted there.
 
-    Models not given are loaded in bfloat16 from the offline kit. The map is checked against the models given.
+    Models not given are loaded in ``dtype`` (default bfloat16) from the offline kit; a map fitted in one dtype is
+    valid in the other (the pair's identity rounds the weights to bfloat16). On a CPU without native bf16 float32
+    fits several times faster. The map is checked against the models given.
     ``ridge_lambda=None`` takes the measured default of the kind (:data:`DEFAULT_RIDGE`).
     """
     from ..models import load_qwen
 
     path = Path(path) if path is not None else default_map_path(inputs=inputs)
     if source is None:
-        source, tokenizer = load_qwen("0.5b", dtype=torch.bfloat16)
+        source, tokenizer = load_qwen("0.5b", dtype=dtype)
     if target is None:
-        target, tokenizer = load_qwen("1.5b", dtype=torch.bfloat16)
+        target, tokenizer = load_qwen("1.5b", dtype=dtype)
     if (path / "mapper.json").exists() and not refit:
         mapper = KVMapper.load(path, source, target)
         if mapper.kind != inputs:
