@@ -214,3 +214,33 @@ def test_bench_table_pairs_methods_by_question():
     assert cols[5].startswith("+0 [")
     with pytest.raises(SystemExit, match="has methods"):
         bench_table.paired_table(result, "nope")
+
+
+def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
+    """scripts/latent_ablation_table.py --paired-against: held-out rows are matched by (family, record, direction),
+    training-family rows are left out of the difference. Planted bug that fails it: pairing by row order (the
+    reference's rows reversed then give the same mean difference with another interval)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import latent_ablation_table
+    finally:
+        sys.path.pop(0)
+
+    def run(name, ok_held, ok_train):
+        rows = [dict(family="retrieval", record=i, direction="a->b", ok=ok_held(i)) for i in range(10)]
+        rows += [dict(family="prices", record=i, direction="a->b", ok=ok_train) for i in range(10)]
+        dev = {f: dict(n=10, full_acc=0.9, reuse_acc=0.1, acc=0.5, kl=0.1) for f in ("retrieval", "prices")}
+        d = dict(config=dict(n_latent=8, read="last", layers=[-1], hidden=256, tail_tokens=0),
+                 bridge=dict(step=1, stage_cpu_s={}), dev=dev, dev_rows={"bridge": rows})
+        path = tmp_path / f"latent_ablation_{name}.json"
+        path.write_text(json.dumps(d))
+        return d, str(path)
+
+    ref, ref_path = run("ref", lambda i: i < 3, True)
+    ref["dev_rows"]["bridge"].reverse()
+    (tmp_path / "latent_ablation_ref.json").write_text(json.dumps(ref))
+    _, other_path = run("other", lambda i: i < 6, False)
+    latent_ablation_table.main(["--paired-against", ref_path, other_path])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # by example: 3 right in both, 3 only in `other` -> +30 [+1, +51]; by row order it would be +30 [-26, +70]
+    assert last.split("|")[-2].strip() == "+30 [+1, +51] (n=10)"
