@@ -456,3 +456,31 @@ def test_session_default_keeps_the_answers(llama):
         differs |= not torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=False), out)
     assert s.last_stats.method == "optimistic" and s.last_stats.cache_stats["rebase"] == "verify"
     assert fast.last_stats.cache_stats["rebase"] == "commit" and differs
+
+
+@pytest.mark.parametrize("rebase, starts_at_once", [("verify", True), ("commit", False)])
+def test_auto_background_start_follows_rebase_on_cpu(llama, monkeypatch, rebase, starts_at_once):
+    """``background_start="auto"`` on CPU: under ``"verify"`` the exact prefill starts before the optimistic cache is
+    assembled (a streamer sees only verified tokens, so the first verified one is the first that counts), under
+    ``"commit"`` only after the first token; ``stats.background_start`` says which, and the output is plain
+    generate's either way under verify. Planted bug that fails it: "auto" ignores ``rebase`` (starts at once only
+    on CUDA) -> under verify the job has not started at assembly."""
+    ids_a, ids_b = _agents()
+    donor = _donor(llama, ids_a)
+    seen = []
+    orig = OptimisticCache._assemble
+
+    def spy(self):
+        seen.append(self.job.started)
+        return orig(self)
+
+    monkeypatch.setattr(OptimisticCache, "_assemble", spy)
+    cache = OptimisticCache(llama, ids_b, *donor, rebase=rebase)
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                         output_logits=True)
+    assert seen == [starts_at_once]
+    assert cache.stats.background_start == ("immediate" if starts_at_once else "after_first_token")
+    if rebase == "verify":
+        ref = _full(llama, ids_b, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out.sequences, ref.sequences)
+        torch.testing.assert_close(torch.cat(out.logits), torch.cat(ref.logits), atol=1e-4, rtol=1e-4)

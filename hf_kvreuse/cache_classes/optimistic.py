@@ -110,6 +110,9 @@ class OptimisticStats:
         Why that step was gated: ``"margin"`` (below ``gate``) or ``"token"`` (a decisive token was due).
     repaired_tokens : int
         Donor rows recomputed before the first token (``repair="blend"`` / ``"epic"``); counted in ``new_tokens``.
+    background_start : str or None
+        When this call's exact prefill started, ``background_start="auto"`` resolved: ``"immediate"`` or
+        ``"after_first_token"`` (None: no background job, ``max_optimistic_tokens=0``).
     draft_margins : list of float
         Top-1 minus top-2 probability of the call's processed scores at every step decided from the optimistic
         cache (drafts under ``"verify"``), in order. With ``first_divergence`` / ``accepted_tokens`` it tells
@@ -142,6 +145,7 @@ class OptimisticStats:
     gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
     gate_reason: str | None = None          # "margin" (below gate) or "token" (a decisive token was due)
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
+    background_start: str | None = None     # "immediate" or "after_first_token" ("auto" resolved)
     draft_margins: list[float] = field(default_factory=list, repr=False)  # p1 - p2 at every optimistic step
 
     def as_dict(self) -> dict:
@@ -179,8 +183,11 @@ class OptimisticCache(KVReuseCache):
     min_span : int, default=4
         Shortest non-prefix match reused from the donor.
     background_start : {"auto", "immediate", "after_first_token"}, default="auto"
-        When the exact prefill starts. "auto": immediately on GPU (side stream), after the first token on CPU,
-        where both compete for the same cores and starting early would delay the first token.
+        When the exact prefill starts. "auto": immediately on GPU (side stream) and under ``rebase="verify"``;
+        after the first token under ``"commit"`` on CPU, where both compete for the same cores and starting early
+        would delay the first token. Under ``"verify"`` a streamer sees only verified tokens, so the first one that
+        counts is the first verified token, which an early start brings forward (2-core CPU, Qwen2.5-0.5B, 54
+        calls: 0.78x in the median optimistic call; README, issue 23).
     background_chunk_tokens : int, optional
         Prefill the exact cache in chunks of this size; between chunks the job checks for cancellation and, on
         CPU, takes all cores once the foreground waits for it. Default: one forward (chunked prefill is 10-30%
@@ -352,7 +359,10 @@ class OptimisticCache(KVReuseCache):
             self.stats.new_tokens = self.stats.background_tokens + 1
             self.stats.reused_tokens = self.stats.prefix_tokens = n - 1 - self.stats.background_tokens
             return
-        if self.background_start == "immediate" or (self.background_start == "auto" and on_cuda):
+        at_once = self.background_start == "immediate" or (
+            self.background_start == "auto" and (on_cuda or self.rebase == "verify"))
+        self.stats.background_start = "immediate" if at_once else "after_first_token"
+        if at_once:
             self._start_background()
         t = now(self.input_ids.device)
         self._assemble()
