@@ -3,9 +3,9 @@ bring its first verified token closer to ``prefix``'s TTFT on the 2-core CPU? (R
 on CPU the default ``"auto"`` starts it after the first draft, and the first verified token comes at 2.2x
 ``prefix``'s TTFT.)
 
-Registers one experimental mode, ``auto-verify-immediate`` (``rebase="verify"``,
-``background_start="immediate"``), beside the library's named modes for this process only, then runs
-``hf-kvreuse bench`` with the arguments given, e.g.
+Registers two experimental modes, ``auto-verify-immediate`` (``rebase="verify"``,
+``background_start="immediate"``) and ``auto-verify-k4`` (the same with ``max_optimistic_tokens=4``), beside the
+library's named modes for this process only, then runs ``hf-kvreuse bench`` with the arguments given, e.g.
 
     python scripts/verify_start_probe.py --model qwen2.5-0.5b --dtype fp32 --methods full,prefix,auto-verify,\\
         auto-verify-immediate --n 3 --max-new-tokens 16 --threads 2 --out /work/runs/verify_start
@@ -19,6 +19,9 @@ from hf_kvreuse.cli import main
 
 session.MODES["auto-verify-immediate"] = dict(policy="auto", rebase="verify",
                                               method_kwargs=dict(background_start="immediate"))
+# fewer drafts: the foreground stops drafting after 4 tokens and the background prefill has the core to itself
+session.MODES["auto-verify-k4"] = dict(policy="auto", rebase="verify",
+                                       method_kwargs=dict(background_start="immediate", max_optimistic_tokens=4))
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))
