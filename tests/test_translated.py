@@ -360,6 +360,18 @@ from hf_kvreuse.translation.moments import depth_band  # noqa: E402
 NEW_KINDS = ["kv-both", "hidden", "kv+hidden"]
 
 
+def _assert_ratio_one_is_full_prefill(src, tgt, mapper, ids):
+    """recompute_ratio=1 reproduces the target's full prefill: logits of 6 greedy steps and the prompt's K/V."""
+    ref = _full(tgt, ids)
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0)
+    out = tgt.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)
+    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
+    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref.past_key_values)):
+        torch.testing.assert_close(k, rk[..., : k.shape[-2], :], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, rv[..., : v.shape[-2], :], atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module", params=NEW_KINDS)
 def kind_pair(request):
     src_kw, tgt_kw = PAIRS["deeper-wider"]
@@ -381,14 +393,7 @@ def test_new_kinds_read_what_they_say_and_ratio_one_is_full_prefill(kind_pair):
         if "hidden" in kind:
             assert {s for b, s in lm.blocks("k") if b == "h"} == set(depth_band(t, 3, 5, 1))
     ids = _prompt()
-    ref = _full(tgt, ids)
-    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0)
-    out = tgt.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                       output_logits=True)
-    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
-    for (k, v), (rk, rv) in zip(kv_of(cache), kv_of(ref.past_key_values)):
-        torch.testing.assert_close(k, rk[..., : k.shape[-2], :], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v, rv[..., : v.shape[-2], :], atol=1e-4, rtol=1e-4)
+    _assert_ratio_one_is_full_prefill(src, tgt, mapper, ids)
     # ratio 0: the cache holds exactly the map applied by hand to the source's features
     from transformers import DynamicCache
     n = ids.shape[1] - 1
@@ -732,11 +737,7 @@ def test_residual_map_applies_what_it_trained_and_ratio_one_is_full_prefill(resi
     for s in info["layers"].values():
         assert s["residual_r2"][0] >= s["linear_r2"][0] - 1e-6 and s["residual_r2"][1] >= s["linear_r2"][1] - 1e-6
     ids = _prompt()
-    ref = _full(tgt, ids)
-    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=1.0)
-    out = tgt.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                       output_logits=True)
-    torch.testing.assert_close(_logits(out), _logits(ref), atol=1e-4, rtol=1e-4)
+    _assert_ratio_one_is_full_prefill(src, tgt, mapper, ids)
     from transformers import DynamicCache
     n = ids.shape[1] - 1
     sc = DynamicCache(config=src.config)
@@ -774,3 +775,9 @@ def test_residual_map_round_trip_and_another_pair_refused(residual_pair, tmp_pat
         KVMapper.load(tmp_path / "r", other, tgt)
     with pytest.raises(MapperMismatchError, match="weights"):
         fit_residuals(copy.deepcopy(linear), other, tgt, _calib(2), progress=False)
+    # a failed refit leaves the corrections as they were (planted: `map_layer` called with the layer's
+    # correction cleared and not put back -> layer 0 has none after the error)
+    m = copy.deepcopy(mapper)
+    with pytest.raises(ValueError, match="invalid residual config"):
+        fit_residuals(m, src, tgt, _calib(2), ResidualConfig(rank=0), progress=False)
+    assert all(torch.equal(a.residual["u"], b.residual["u"]) for a, b in zip(m.layers, mapper.layers))

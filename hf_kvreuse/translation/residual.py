@@ -104,7 +104,8 @@ def train_residual(x: torch.Tensor, lin: torch.Tensor, y: torch.Tensor,
 def fit_residuals(mapper, source_model, target_model, calibration_ids: torch.Tensor | Iterable[torch.Tensor],
                   config: ResidualConfig | None = None, layers: Iterable[int] | None = None, stride: int = 1,
                   skip_first: int = 4, progress: bool = True):
-    """Add a trained correction to target layers ``layers`` (default: all) of ``mapper``, in place; returns it.
+    """Add a trained correction to target layers ``layers`` (default: all) of ``mapper``, in place (only once
+    every layer has trained: a failed call leaves the mapper as it was); returns it.
 
     The pair is checked first (:meth:`KVMapper.check_pair`: a map of another pair is refused). Each calibration
     sequence runs once through both models; its positions ``skip_first::stride`` are the training rows. A layer
@@ -146,15 +147,20 @@ def fit_residuals(mapper, source_model, target_model, calibration_ids: torch.Ten
     hidden = {s: torch.cat([h[s] for h in hidden_rows]) for s in hidden_layers}
     y_all = torch.cat(y_rows)
     ft = mapper.geometry.ft
-    per_layer = {}
+    per_layer, trained = {}, {}
     todo = range(mapper.geometry.target_layers) if layers is None else list(layers)
     for t in todo:
         lm = mapper.layers[t]
-        lm.residual = None   # the correction is trained on the linear map's error
-        k, v = mapper.map_layer(t, feats, hidden)
+        old, lm.residual = lm.residual, None   # the correction is trained on the linear map's error
+        try:
+            k, v = mapper.map_layer(t, feats, hidden)
+        finally:
+            lm.residual = old   # the mapper changes only once every layer has trained
         x = gather(lm.union_blocks(), feats, hidden)
         y = y_all[:, 2 * t * ft:2 * (t + 1) * ft]
-        lm.residual, per_layer[t] = train_residual(x, torch.cat([k, v], 1), y, cfg)
+        trained[t], per_layer[t] = train_residual(x, torch.cat([k, v], 1), y, cfg)
+    for t, res in trained.items():
+        mapper.layers[t].residual = res
     mapper.info["residual"] = {"config": asdict(cfg), "calibration_rows": int(y_all.shape[0]),
                                "calibration_sequences": len(y_rows), "fit_s": time.perf_counter() - t0,
                                "layers": {str(t): s for t, s in per_layer.items()}}
