@@ -16,6 +16,11 @@ These are scratch research files (``/tmp``), not artifacts: the shipped map is f
 
     python scripts/translated_features.py --out /tmp/tr24/feats --range 64 96 --queries
     python scripts/translated_features.py --out /tmp/tr24/feats --range 0 64
+    python scripts/translated_features.py --data squad-other --out /tmp/tr24/feats_sq --range 0 119
+
+``--data squad-other``: in-domain calibration for the SQuAD retention set: the unique passages of the SQuAD
+articles (titles) that none of the first ``--exclude-first`` items (the retention and held-out items) comes from,
+one question each, in file order (``p{index}`` = position in that list).
 """
 
 from __future__ import annotations
@@ -35,6 +40,23 @@ from hf_kvreuse.rope import RopeShifter
 from hf_kvreuse.translation.mapper import content_features
 
 N_DROP = 405  # unique DROP passages
+
+
+def squad_other_ids(tok, exclude_first: int = 100, max_tokens: int = 512) -> list[torch.Tensor]:
+    """Chat QA prompts over the unique passages of SQuAD articles that none of the first ``exclude_first`` items
+    comes from (in-domain calibration that shares no article with the retention items)."""
+    from hf_kvreuse.workflows.datasets import qa_chat_ids, squad
+
+    items = squad()
+    test_titles = {it.title for it in items[:exclude_first]}
+    seen, out = set(), []
+    for it in items:
+        if it.title in test_titles or it.passage in seen:
+            continue
+        seen.add(it.passage)
+        ids, _ = qa_chat_ids(tok, it.passage, it.question)
+        out.append(torch.tensor(ids[:max_tokens]))
+    return out
 
 
 @torch.no_grad()
@@ -79,6 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="model dtype (fp32: this CPU has no bf16 units; bf16 matmuls measured 3.5-6x slower)")
+    p.add_argument("--data", choices=["drop", "squad-other"], default="drop")
+    p.add_argument("--exclude-first", type=int, default=100, help="squad-other: items whose articles are left out")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from hf_kvreuse.models import load_qwen
@@ -89,7 +113,7 @@ def main(argv=None) -> None:
     tgt, _ = load_qwen("1.5b", dtype=dtype)
     ss = RopeShifter(src, layout=require(src, rope=True).rope_layout)
     ts = RopeShifter(tgt, layout=require(tgt, rope=True).rope_layout)
-    prompts = calibration_ids(tok, N_DROP, 512)
+    prompts = (calibration_ids(tok, N_DROP, 512) if a.data == "drop" else squad_other_ids(tok, a.exclude_first, 512))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "tgt_o_proj.safetensors").exists():  # for the attention-output cosine after o_proj
