@@ -627,6 +627,74 @@ def test_pair_fit_uses_the_measured_default_of_the_kind(tmp_path, monkeypatch):
     assert seen["ridge_lambda"] == 0.5
 
 
+class _WordTokenizer:
+    """A tokenizer stand-in: one id per character, and a chat template that wraps each message in [role]...[/]."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % 1000 for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        text = "".join(f"[{m['role']}]{m['content']}[/]" for m in messages) + ("[assistant]" if add_generation_prompt else "")
+        return self(text)["input_ids"]
+
+
+def test_calibration_prompts_file_is_read_and_used(tmp_path, monkeypatch):
+    """``fit --prompts FILE.jsonl`` calibrates on the user's prompts ({"text"} raw, {"messages"} through the chat
+    template with the generation prompt, cut to --max-tokens, every one by default), never on DROP; bad lines are
+    refused with their line number; a map already saved is not silently kept in place of a fit on new prompts.
+    Planted bug: the CLI does not pass ``prompts=`` on (DROP is used) -> fails: the DROP stand-in raises."""
+    from hf_kvreuse.translation import __main__ as cli
+    from hf_kvreuse.translation import pairs
+
+    tok = _WordTokenizer()
+    f = tmp_path / "p.jsonl"
+    lines = ['{"text": "abcdefghij"}', "", '{"messages": [{"role": "user", "content": "hello"}]}'] + \
+        [f'{{"text": "prompt number {i}"}}' for i in range(70)]
+    f.write_text("\n".join(lines) + "\n")
+    got = pairs.prompts_file_ids(tok, f, max_tokens=12)
+    assert len(got) == 72                                 # blank line skipped, no cap at 64
+    assert got[0].tolist() == [ord(c) for c in "abcdefghij"]
+    assert got[1].tolist() == [ord(c) for c in "[user]hello[/][assistant]"][:12]
+    assert len(pairs.prompts_file_ids(tok, f, n=2)) == 2
+    for bad, why in (("{oops", "line 1: not JSON"), ('{"prompt": "x"}', 'line 1: expected an object'),
+                     ('["a"]', "line 1: expected"), ('{"text": "abc"}', "line 1: 3 tokens")):
+        (tmp_path / "bad.jsonl").write_text(bad + "\n")
+        with pytest.raises(ValueError, match=why):
+            pairs.prompts_file_ids(tok, tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds none"):
+        pairs.prompts_file_ids(tok, tmp_path / "empty.jsonl")
+    with pytest.raises(FileNotFoundError, match="no file"):
+        pairs.prompts_file_ids(tok, tmp_path / "missing.jsonl")
+
+    seen = {}
+
+    class FakeMapper:
+        kind, info, layers = "kv+hidden", {}, []
+
+        def save(self, path):
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "mapper.json").write_text("{}")
+
+    def fake_fit(source, target, calib, **kw):
+        seen["calib"], seen["description"] = list(calib), kw["description"]
+        return FakeMapper()
+
+    def no_drop(*a, **k):
+        raise AssertionError("DROP used in place of the prompts given")
+
+    monkeypatch.setattr(pairs, "calibration_ids", no_drop)
+    monkeypatch.setattr(pairs.KVMapper, "fit", staticmethod(fake_fit))
+    monkeypatch.setattr("hf_kvreuse.models.load_qwen", lambda *a, **k: (object(), tok))
+    cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f), "--max-tokens", "12"])
+    assert [t.tolist() for t in seen["calib"]] == [t.tolist() for t in got]
+    assert "72 prompts" in seen["description"] and "p.jsonl" in seen["description"]
+    with pytest.raises(ValueError, match="already saved.*refit"):
+        cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f)])
+    cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f), "--refit", "--calibration", "5"])
+    assert len(seen["calib"]) == 5
+
+
 def test_output_kl_is_zero_for_the_identity_map(copy_pair):
     """The student forward of the output fit (mapped cache + answer tokens at their positions) reproduces the
     teacher's full prefill when the map is exact: KL ~ 0 and every argmax equal.

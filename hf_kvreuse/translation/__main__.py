@@ -1,5 +1,5 @@
-"""``python -m hf_kvreuse.translation fit [--refit] [--inputs KIND] [--ridge L] [--calibration N] [--max-tokens T]
-[--stride S] [--dtype bf16|fp32] [--out DIR]``: fit (or load) the offline Qwen2.5-Coder 0.5B -> 1.5B KV map and print what it found, with the fit
+"""``python -m hf_kvreuse.translation fit [--refit] [--inputs KIND] [--ridge L] [--calibration N] [--prompts FILE]
+[--max-tokens T] [--stride S] [--dtype bf16|fp32] [--out DIR]``: fit (or load) the offline Qwen2.5-Coder 0.5B -> 1.5B KV map and print what it found, with the fit
 time, the size on disk and the process's peak memory."""
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ def main(argv=None) -> None:
     p.add_argument("--ridge", type=float, default=None,
                    help=f"relative ridge penalty (default per kind: {DEFAULT_RIDGE})")
     p.add_argument("--hidden-band", type=int, default=1, help="hidden kinds: source layers around matched depth")
-    p.add_argument("--calibration", type=int, default=64, help="calibration prompts (DROP)")
+    p.add_argument("--calibration", type=int, default=None,
+                   help="how many calibration prompts (default: 64 DROP prompts, or every one of --prompts)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='calibrate on your own prompts: one {"text": ...} or {"messages": [...]} object per line '
+                        "(prompts of the task's own domain fit this pair's maps best; default: DROP)")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--stride", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
@@ -39,7 +43,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     mapper = qwen_pair_mapper(path=a.out, n_calibration=a.calibration, max_tokens=a.max_tokens, stride=a.stride,
                               refit=a.refit, inputs=a.inputs, hidden_band=a.hidden_band,
-                              ridge_lambda=a.ridge,
+                              ridge_lambda=a.ridge, prompts=a.prompts,
                               dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype])
     where = Path(a.out) if a.out else default_map_path(inputs=a.inputs)
     disk = sum(f.stat().st_size for f in where.iterdir()) / 2**20

@@ -4,6 +4,8 @@
 builds the calibration set from **DROP** passages and questions (Wikipedia text in the same chat QA format as
 the evaluation, but another dataset: the SQuAD evaluation items are never seen), fits the map with a tqdm bar and
 saves it (safetensors + JSON) under ``$HF_KVREUSE_CACHE/maps/``. Later calls load it and check the pair.
+``prompts=`` (CLI ``--prompts FILE.jsonl``) calibrates on the user's own prompts instead: on this pair, prompts of
+the task's own domain (other SQuAD articles) gave the best held-out attention-output cosine measured (issue 24).
 """
 
 from __future__ import annotations
@@ -49,16 +51,62 @@ def default_map_path(name: str = QWEN_PAIR, inputs: str = "kv") -> Path:
     return cache_dir() / "maps" / (name if inputs == "kv" else f"{name}-{inputs}")
 
 
+def prompts_file_ids(tokenizer, path: str | os.PathLike, n: int | None = None,
+                     max_tokens: int = 512) -> list[torch.Tensor]:
+    """Calibration prompts from a JSON Lines file, one object per line: ``{"text": str}`` (tokenised as it is, no
+    special tokens added) or ``{"messages": [{"role": ..., "content": ...}, ...]}`` (the tokenizer's chat template
+    with the generation prompt, the form a chat prompt takes when its cache is translated). Each prompt is cut to
+    ``max_tokens``; ``n`` keeps the first ``n``. Blank lines are skipped; anything else is refused with its line
+    number."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration prompts: no file at {path}")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {no}: not JSON ({e.msg})") from None
+            if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+                ids = tokenizer(obj["text"], add_special_tokens=False)["input_ids"]
+            elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+                ids = tokenizer.apply_chat_template(obj["messages"], add_generation_prompt=True, tokenize=True)
+                if hasattr(ids, "keys"):
+                    ids = ids["input_ids"]
+            else:
+                raise ValueError(f'{path}, line {no}: expected an object with a "text" string or a "messages" list')
+            ids = list(ids)[:max_tokens]
+            if len(ids) < 8:
+                raise ValueError(f"{path}, line {no}: {len(ids)} tokens; a calibration prompt needs at least 8 "
+                                 "(the first 4 positions, attention sinks, are never fitted)")
+            out.append(torch.tensor(ids))
+            if n is not None and len(out) == n:
+                break
+    if not out:
+        raise ValueError(f"calibration prompts: {path} holds none")
+    return out
+
+
 def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.PathLike | None = None,
-                     n_calibration: int = 64, max_tokens: int = 512, stride: int = 2, refit: bool = False,
+                     n_calibration: int | None = None, max_tokens: int = 512, stride: int = 2, refit: bool = False,
                      progress: bool = True, inputs: str = DEFAULT_INPUTS, hidden_band: int = 1,
-                     ridge_lambda: float | None = None, dtype: torch.dtype = torch.bfloat16) -> KVMapper:
+                     ridge_lambda: float | None = None, dtype: torch.dtype = torch.bfloat16,
+                     prompts: str | os.PathLike | list[torch.Tensor] | None = None) -> KVMapper:
     """The Qwen2.5-Coder 0.5B -> 1.5B map: loaded from ``path`` (default under the cache folder) or fitted there.
 
     Models not given are loaded in ``dtype`` (default bfloat16) from the offline kit; a map fitted in one dtype is
     valid in the other (the pair's identity rounds the weights to bfloat16). On a CPU without native bf16 float32
     fits several times faster. The map is checked against the models given.
     ``ridge_lambda=None`` takes the measured default of the kind (:data:`DEFAULT_RIDGE`).
+    ``prompts``: calibrate on these (a JSON Lines file, see :func:`prompts_file_ids`, or token id tensors) instead
+    of DROP. ``n_calibration``: how many prompts (default: 64 of DROP, every one of ``prompts``). A map already
+    saved at ``path`` is not refitted on ``prompts`` unless ``refit=True`` (refused otherwise, so that a fit on new
+    prompts is never silently skipped).
     """
     from ..models import load_qwen
 
@@ -68,6 +116,9 @@ def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.Pa
     if target is None:
         target, tokenizer = load_qwen("1.5b", dtype=dtype)
     if (path / "mapper.json").exists() and not refit:
+        if prompts is not None:
+            raise ValueError(f"a map is already saved at {path}: pass refit=True (CLI --refit) to fit it again on the "
+                             "prompts given, or another path")
         mapper = KVMapper.load(path, source, target)
         if mapper.kind != inputs:
             raise ValueError(f"the map at {path} is of kind {mapper.kind!r}, not {inputs!r}: pass refit=True or "
@@ -79,11 +130,18 @@ def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.Pa
         from ..models import model_path
 
         tokenizer = AutoTokenizer.from_pretrained(model_path("0.5b"))
-    calib = calibration_ids(tokenizer, n_calibration, max_tokens)
+    if prompts is None:
+        calib = calibration_ids(tokenizer, 64 if n_calibration is None else n_calibration, max_tokens)
+        what = "DROP dev passages+questions, chat QA format"
+    elif isinstance(prompts, (str, os.PathLike)):
+        calib = prompts_file_ids(tokenizer, prompts, n_calibration, max_tokens)
+        what = f"prompts of {Path(prompts).name}"
+    else:
+        calib = [torch.as_tensor(t).reshape(-1)[:max_tokens] for t in list(prompts)[:n_calibration]]
+        what = "prompts given"
     lam = DEFAULT_RIDGE[inputs] if ridge_lambda is None else ridge_lambda
     mapper = KVMapper.fit(source, target, calib, stride=stride, progress=progress, inputs=inputs,
                           hidden_band=hidden_band, ridge_lambda=lam,
-                          description=f"DROP dev passages+questions, chat QA format: {len(calib)} prompts <= "
-                                      f"{max_tokens} tokens, stride {stride}")
+                          description=f"{what}: {len(calib)} prompts <= {max_tokens} tokens, stride {stride}")
     mapper.save(path)
     return mapper
