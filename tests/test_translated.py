@@ -693,6 +693,8 @@ def test_calibration_prompts_file_is_read_and_used(tmp_path, monkeypatch):
         cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f)])
     cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f), "--refit", "--calibration", "5"])
     assert len(seen["calib"]) == 5
+    with pytest.raises(ValueError, match="at least one calibration prompt"):
+        cli.main(["fit", "--out", str(tmp_path / "m0"), "--prompts", str(f), "--calibration", "0"])
 
 
 def test_output_kl_is_zero_for_the_identity_map(copy_pair):

@@ -110,6 +110,8 @@ def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.Pa
     """
     from ..models import load_qwen
 
+    if n_calibration is not None and n_calibration < 1:
+        raise ValueError(f"n_calibration={n_calibration}: at least one calibration prompt is needed")
     path = Path(path) if path is not None else default_map_path(inputs=inputs)
     if source is None:
         source, tokenizer = load_qwen("0.5b", dtype=dtype)
