@@ -693,6 +693,8 @@ def test_calibration_prompts_file_is_read_and_used(tmp_path, monkeypatch):
         cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f)])
     cli.main(["fit", "--out", str(tmp_path / "m"), "--prompts", str(f), "--refit", "--calibration", "5"])
     assert len(seen["calib"]) == 5
+    with pytest.raises(ValueError, match="prompt 1: 3 tokens"):   # token tensors are checked the same way
+        pairs.qwen_pair_mapper(object(), object(), tok, path=tmp_path / "t", prompts=[torch.arange(9), torch.arange(3)])
     with pytest.raises(ValueError, match="at least one calibration prompt"):
         cli.main(["fit", "--out", str(tmp_path / "m0"), "--prompts", str(f), "--calibration", "0"])
 

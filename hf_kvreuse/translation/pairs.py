@@ -51,6 +51,15 @@ def default_map_path(name: str = QWEN_PAIR, inputs: str = "kv") -> Path:
     return cache_dir() / "maps" / (name if inputs == "kv" else f"{name}-{inputs}")
 
 
+def _calibration_prompt(ids, max_tokens: int, where: str) -> torch.Tensor:
+    """One calibration prompt as a 1-D LongTensor cut to ``max_tokens``; refused when too short to fit anything."""
+    t = torch.as_tensor(list(ids) if not torch.is_tensor(ids) else ids).reshape(-1)[:max_tokens]
+    if t.numel() < 8:
+        raise ValueError(f"{where}: {t.numel()} tokens; a calibration prompt needs at least 8 "
+                         "(the first 4 positions, attention sinks, are never fitted)")
+    return t
+
+
 def prompts_file_ids(tokenizer, path: str | os.PathLike, n: int | None = None,
                      max_tokens: int = 512) -> list[torch.Tensor]:
     """Calibration prompts from a JSON Lines file, one object per line: ``{"text": str}`` (tokenised as it is, no
@@ -80,11 +89,7 @@ def prompts_file_ids(tokenizer, path: str | os.PathLike, n: int | None = None,
                     ids = ids["input_ids"]
             else:
                 raise ValueError(f'{path}, line {no}: expected an object with a "text" string or a "messages" list')
-            ids = list(ids)[:max_tokens]
-            if len(ids) < 8:
-                raise ValueError(f"{path}, line {no}: {len(ids)} tokens; a calibration prompt needs at least 8 "
-                                 "(the first 4 positions, attention sinks, are never fitted)")
-            out.append(torch.tensor(ids))
+            out.append(_calibration_prompt(ids, max_tokens, f"{path}, line {no}"))
             if n is not None and len(out) == n:
                 break
     if not out:
@@ -139,7 +144,7 @@ def qwen_pair_mapper(source=None, target=None, tokenizer=None, path: str | os.Pa
         calib = prompts_file_ids(tokenizer, prompts, n_calibration, max_tokens)
         what = f"prompts of {Path(prompts).name}"
     else:
-        calib = [torch.as_tensor(t).reshape(-1)[:max_tokens] for t in list(prompts)[:n_calibration]]
+        calib = [_calibration_prompt(t, max_tokens, f"prompt {i}") for i, t in enumerate(list(prompts)[:n_calibration])]
         what = "prompts given"
     lam = DEFAULT_RIDGE[inputs] if ridge_lambda is None else ridge_lambda
     mapper = KVMapper.fit(source, target, calib, stride=stride, progress=progress, inputs=inputs,
