@@ -89,7 +89,10 @@ def curve(records: list[dict], thresholds=THRESHOLDS) -> dict:
 def measured(records: list[dict]) -> list[dict]:
     """Agreement and median TTFT / full of the commit runs in the same file (to check the bound against)."""
     out = []
-    for m in ("auto", "auto-commit", "auto-commit-gate"):
+    # every commit run, the gate probe's thresholds included (scripts/gate_probe.py: auto-commit-gate<t>), and
+    # prefix, whose TTFT issue 23's gate target is stated against
+    gates = sorted({r["method"] for r in records if r["method"].startswith("auto-commit-gate")})
+    for m in ("prefix", "auto", "auto-commit", *gates):
         rs = [r for r in records if r["method"] == m]
         if rs:
             k = sum(bool(r.get("agrees")) for r in rs)

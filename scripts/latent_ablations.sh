@@ -41,6 +41,13 @@ case "$1" in
 --result $R/latent_train_all_tail16_lora8.json ;;
   all_plain) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
 --lr 5e-3 --save-every 10 --threads 1 --out $D/runs/all_plain --result $R/latent_train_all_plain.json ;;
-  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_tail16_lora8|all_plain"
+  # session of 2026-12-02 (evening): the two best leads of the 600 CPU s screen (16 latents, amortised training) on
+  # top of the shipped set-up (Tail-16 + rank-8 LoRA), same data and budget as all_tail16_lora8 (stage 1 on 96
+  # examples x 8 steps: the screen's share of the budget), compared with the shipped checkpoint (that run)
+  all_n16_amortised) python -m hf_kvreuse.latent.train --data $D/train_all --dev $D/dev_big --budget-cpu-s ${BF:-2400} \
+--lr 5e-3 --save-every 10 --threads 1 --tail-tokens 16 --lora-rank 8 --lora-lr 1e-3 --n-latent 16 \
+--stage1-examples 96 --stage1-steps 8 --compare shipped --out $D/runs/all_n16_amortised \
+--result $R/latent_train_all_n16_amortised.json ;;
+  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_tail16_lora8|all_plain|all_n16_amortised"
      exit 2 ;;
 esac

@@ -189,6 +189,40 @@ def test_gate_curve_replays_thresholds_from_verified_drafts():
     assert rows[0.0]["ttft_ratio"] == 0.1 and rows[0.5]["ttft_ratio"] == (0.1 + 0.6) / 2
 
 
+def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
+    """scripts/gate_probe.py registers ``auto-commit-gate<t>`` as commit mode with ``gate=t`` (other names left
+    alone, a threshold outside (0, 1] refused) and scripts/gate_curve.py's measured rows include every such run and
+    prefix. Planted bug that fails it: the threshold parsed as an int (``gate=0`` for ``0.2``)."""
+    from hf_kvreuse import session
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gate_curve
+        import gate_probe
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    try:
+        assert gate_probe.register("full,prefix,auto-commit-gate0.2,auto-commit-gate.35") == [
+            "auto-commit-gate0.2", "auto-commit-gate.35"]
+        assert session.MODES["auto-commit-gate0.2"] == dict(policy="auto", rebase="commit",
+                                                            method_kwargs=dict(gate=0.2))
+        assert session.MODES["auto-commit-gate.35"]["method_kwargs"]["gate"] == 0.35
+        with pytest.raises(SystemExit, match="in \\(0, 1\\]"):
+            gate_probe.register("auto-commit-gate1.5")
+    finally:
+        for k in ("auto-commit-gate0.2", "auto-commit-gate.35", "auto-commit-gate1.5"):
+            session.MODES.pop(k, None)
+
+    def rec(method, agrees, ratio):
+        return dict(method=method, agrees=agrees, turns=[dict(ttft_ratio=ratio)])
+
+    rows = {m["method"]: m for m in gate_curve.measured(
+        [rec("prefix", True, 0.1), rec("auto-commit-gate0.2", True, 0.05), rec("auto-commit-gate0.2", False, 0.07),
+         rec("auto-verify", True, 0.03)])}
+    assert set(rows) == {"prefix", "auto-commit-gate0.2"}
+    assert rows["auto-commit-gate0.2"]["agreement"] == 0.5 and abs(rows["auto-commit-gate0.2"]["ttft_ratio"] - 0.06) < 1e-12
+
+
 def test_bench_table_pairs_methods_by_question():
     """scripts/bench_table.py --paired-against: a method is compared with the baseline on the questions both ran,
     matched by (workflow, context, question); wins and losses count questions where only one agrees with full.

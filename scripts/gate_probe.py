@@ -1,0 +1,42 @@
+"""Issue 23 probe: measured points of the commit-mode confidence gate's agreement-vs-TTFT curve.
+
+``hf-kvreuse bench`` names one gate setting, ``auto-commit-gate`` (``gate=0.5``). This script registers, for this
+process only, a mode ``auto-commit-gate<t>`` for every such name in ``--methods`` (``t`` a threshold in (0, 1],
+e.g. ``auto-commit-gate0.2``: ``policy="auto", rebase="commit", gate=t``), then runs ``hf-kvreuse bench`` with
+the arguments given. With ``--reference`` to an earlier run's full-prefill records, only the new gates run:
+
+    python scripts/gate_probe.py --model qwen2.5-0.5b --dtype fp32 --workflows fully_connected \\
+        --context-tokens 1000 --methods auto-commit-gate0.2 --n 25 --seed 0 --threads 1 --max-new-tokens 16 \\
+        --questions 0:13 --reference benchmarks/results/bench/fp32_s0/bench.json --out /work/runs/gate02_s0
+    python scripts/gate_curve.py MERGED/bench.json --measured MERGED/bench.json   # bound vs measured
+"""
+
+import re
+import sys
+
+from hf_kvreuse import session
+from hf_kvreuse.cli import main
+
+_NAME = re.compile(r"auto-commit-gate(\d*\.?\d+)$")
+
+
+def register(methods: str) -> list[str]:
+    """Register every ``auto-commit-gate<t>`` of a comma-separated method list; returns the names registered."""
+    names = []
+    for m in methods.split(","):
+        match = _NAME.match(m.strip())
+        if match is None:
+            continue
+        t = float(match.group(1))
+        if not 0.0 < t <= 1.0:
+            raise SystemExit(f"{m}: the gate threshold must be in (0, 1]")
+        session.MODES[m.strip()] = dict(policy="auto", rebase="commit", method_kwargs=dict(gate=t))
+        names.append(m.strip())
+    return names
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if "--methods" in args:
+        register(args[args.index("--methods") + 1])
+    sys.exit(main(["bench", *args]))
