@@ -107,8 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results/gate_curve.json")
     a = p.parse_args(argv)
     records = [r for f in a.bench_json for r in json.loads(Path(f).read_text())["records"]]
+    # measured points per input file: runs of different days are not pooled (their TTFT / full use the full-prefill
+    # records of their own file, and a machine's speed can differ between days)
+    per_file = [dict(m, input=f) for f in a.bench_json for m in measured(json.loads(Path(f).read_text())["records"])]
     result = dict(config=dict(command="scripts/gate_curve.py", inputs=a.bench_json, thresholds=list(THRESHOLDS)),
-                  **curve(records), measured=measured(records))
+                  **curve(records), measured=per_file)
     try:
         result["config"]["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                         text=True, check=True).stdout.strip()
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in result["measured"]:
         lo, hi = m["agreement_ci"]
         print(f"measured {m['method']}: agreement {100 * m['agreement']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] "
-              f"(n = {m['n']}), TTFT / full {m['ttft_ratio']:.2f}")
+              f"(n = {m['n']}), TTFT / full {m['ttft_ratio']:.2f} ({m['input']})")
     try:
         import matplotlib
 
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in result["rows"]:
         ax.annotate(f"{r['gate']:g}", (r["ttft_ratio"], r["agreement_lower_bound"]), fontsize=6)
     for m in result["measured"]:
-        ax.plot([m["ttft_ratio"]], [m["agreement"]], "s", label=f"measured {m['method']}")
+        run = Path(m["input"]).parent.name
+        ax.plot([m["ttft_ratio"]], [m["agreement"]], "s", label=f"measured {m['method']} ({run})")
     ax.set_xlabel("median TTFT / full prefill")
     ax.set_ylabel("final answer = full prefill's")
     ax.legend(fontsize=7)
