@@ -86,6 +86,54 @@ def curve(records: list[dict], thresholds=THRESHOLDS) -> dict:
                 first_wrong_draft_index={str(i): first_wrong.count(i) for i in sorted(set(first_wrong))})
 
 
+def commit_call_under_gate(c: dict, t: float) -> tuple[bool, int | None]:
+    """``(clean, gated_step)`` of one ungated ``rebase="commit"`` call's stats under ``gate=t`` on the same cache:
+    its optimistic tokens up to the gated step are the ones it emitted, and ``first_divergence`` says where the
+    first of them differs from exact greedy decoding (the tokens after the gated step come from the exact cache)."""
+    margins = c.get("draft_margins")
+    if margins is None:
+        raise SystemExit("this bench.json has no draft_margins for a commit call: rerun it with record_divergence")
+    gated = next((i for i, m in enumerate(margins) if m < t), None)
+    wrong = c.get("first_divergence")
+    return (wrong is None or (gated is not None and wrong >= gated)), gated
+
+
+def repair_curve(records: list[dict], method: str, thresholds=THRESHOLDS) -> dict:
+    """The gate replayed on ``method``'s optimistic cache (an ungated commit run, e.g. ``auto-commit-repair``) beside
+    the gate on the plain optimistic cache (the ``auto-verify`` drafts), over the same calls: those whose prompt is
+    full prefill's under both runs (every earlier reply of the workflow equals full prefill's in both). Per threshold:
+    the share of those calls that would emit only exact tokens, and how many would wait at the first token."""
+    full = {(r["workflow"], r["context_tokens"], r["question"]): r for r in records if r["method"] == "full"}
+
+    def same_prompt_calls(m: str) -> dict:
+        out = {}
+        for r in records:
+            ref = full.get((r["workflow"], r["context_tokens"], r["question"]))
+            if r["method"] != m or ref is None:
+                continue
+            for i, (turn, ft) in enumerate(zip(r["turns"], ref["turns"])):
+                c = turn["stats"].get("cache_stats") or {}
+                if c.get("draft_margins"):
+                    out[(r["workflow"], r["context_tokens"], r["question"], i)] = c
+                if turn["answer"] != ft["answer"]:
+                    break  # later prompts differ from full prefill's
+        return out
+
+    verify, repaired = same_prompt_calls("auto-verify"), same_prompt_calls(method)
+    if not repaired:
+        raise SystemExit(f"no {method} calls with draft margins in these bench.json files")
+    keys = sorted(set(verify) & set(repaired))
+    rows = []
+    for t in thresholds:
+        row = dict(gate=t, calls=len(keys))
+        for name, calls, under in (("plain", verify, call_under_gate), ("repaired", repaired, commit_call_under_gate)):
+            outcome = [under(calls[k], t) for k in keys]
+            row[f"{name}_clean"] = sum(c for c, _ in outcome)
+            row[f"{name}_gated_at_first_token"] = sum(g == 0 for _, g in outcome)
+        rows.append(row)
+    return dict(method=method, rows=rows)
+
+
 def measured(records: list[dict]) -> list[dict]:
     """Agreement and median TTFT / full of the commit runs in the same file (to check the bound against)."""
     out = []
@@ -105,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench_json", nargs="+", help="bench.json files (merged in order; full and auto-verify needed)")
     p.add_argument("--out", default="benchmarks/results/gate_curve.json")
+    p.add_argument("--repaired", default=None, metavar="METHOD",
+                   help="also replay the gate on this ungated commit run's cache (e.g. auto-commit-repair), beside "
+                        "the plain optimistic cache, on the calls whose prompt is full prefill's in both")
     a = p.parse_args(argv)
     records = [r for f in a.bench_json for r in json.loads(Path(f).read_text())["records"]]
     # measured points per input file: runs of different days are not pooled (their TTFT / full use the full-prefill
@@ -112,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     per_file = [dict(m, input=f) for f in a.bench_json for m in measured(json.loads(Path(f).read_text())["records"])]
     result = dict(config=dict(command="scripts/gate_curve.py", inputs=a.bench_json, thresholds=list(THRESHOLDS)),
                   **curve(records), measured=per_file)
+    if a.repaired:
+        result["gate_on_repaired_cache"] = repair_curve(records, a.repaired)
     try:
         result["config"]["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                         text=True, check=True).stdout.strip()
@@ -129,6 +182,14 @@ def main(argv: list[str] | None = None) -> None:
               f"| {r['ttft_ratio']:.2f} |")
     print(f"calls with a wrong draft: {result['calls_with_a_wrong_draft']} of {result['optimistic_calls']}; index of the "
           f"first wrong draft: {result['first_wrong_draft_index']}")
+    if a.repaired:
+        rc = result["gate_on_repaired_cache"]
+        print(f"\nthe gate on {a.repaired}'s cache vs on the plain optimistic cache ({rc['rows'][0]['calls']} calls "
+              "with full prefill's prompt in both runs):\n| gate | plain: clean calls | plain: wait at token 1 "
+              "| repaired: clean calls | repaired: wait at token 1 |\n|---|---|---|---|---|")
+        for r in rc["rows"]:
+            print(f"| {r['gate']:g} | {r['plain_clean']} | {r['plain_gated_at_first_token']} | {r['repaired_clean']} "
+                  f"| {r['repaired_gated_at_first_token']} |")
     for m in result["measured"]:
         lo, hi = m["agreement_ci"]
         print(f"measured {m['method']}: agreement {100 * m['agreement']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] "

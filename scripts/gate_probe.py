@@ -2,8 +2,11 @@
 
 ``hf-kvreuse bench`` names one gate setting, ``auto-commit-gate`` (``gate=0.5``). This script registers, for this
 process only, a mode ``auto-commit-gate<t>`` for every such name in ``--methods`` (``t`` a threshold in (0, 1],
-e.g. ``auto-commit-gate0.2``: ``policy="auto", rebase="commit", gate=t``), then runs ``hf-kvreuse bench`` with
-the arguments given. With ``--reference`` to an earlier run's full-prefill records, only the new gates run:
+e.g. ``auto-commit-gate0.2``: ``policy="auto", rebase="commit", gate=t``), optionally with a repair of the
+optimistic cache before the first token: ``auto-commit-gate<t>-blend<r>`` (``repair="blend", repair_ratio=r``,
+r in (0, 1]) or ``auto-commit-gate<t>-epic<k>`` (``repair="epic", repair_tokens=k``, k >= 1: the first k rows of
+every reused span), then runs ``hf-kvreuse bench`` with the arguments given. With ``--reference`` to an earlier
+run's full-prefill records, only the new modes run:
 
     python scripts/gate_probe.py --model qwen2.5-0.5b --dtype fp32 --workflows fully_connected \\
         --context-tokens 1000 --methods auto-commit-gate0.2 --n 25 --seed 0 --threads 1 --max-new-tokens 16 \\
@@ -17,11 +20,12 @@ import sys
 from hf_kvreuse import session
 from hf_kvreuse.cli import main
 
-_NAME = re.compile(r"auto-commit-gate(\d*\.?\d+)$")
+_NAME = re.compile(r"auto-commit-gate(\d*\.?\d+)(?:-(blend|epic)(\d*\.?\d+))?$")
 
 
 def register(methods: str) -> list[str]:
-    """Register every ``auto-commit-gate<t>`` of a comma-separated method list; returns the names registered."""
+    """Register every ``auto-commit-gate<t>[-blend<r>|-epic<k>]`` of a comma-separated method list; returns the
+    names registered."""
     names = []
     for m in methods.split(","):
         match = _NAME.match(m.strip())
@@ -30,7 +34,18 @@ def register(methods: str) -> list[str]:
         t = float(match.group(1))
         if not 0.0 < t <= 1.0:
             raise SystemExit(f"{m}: the gate threshold must be in (0, 1]")
-        session.MODES[m.strip()] = dict(policy="auto", rebase="commit", method_kwargs=dict(gate=t))
+        kwargs = dict(gate=t)
+        if match.group(2) == "blend":
+            r = float(match.group(3))
+            if not 0.0 < r <= 1.0:
+                raise SystemExit(f"{m}: the blend repair ratio must be in (0, 1]")
+            kwargs.update(repair="blend", repair_ratio=r)
+        elif match.group(2) == "epic":
+            k = float(match.group(3))
+            if k != int(k) or k < 1:
+                raise SystemExit(f"{m}: the epic repair needs a whole number of rows >= 1 per span")
+            kwargs.update(repair="epic", repair_tokens=int(k))
+        session.MODES[m.strip()] = dict(policy="auto", rebase="commit", method_kwargs=kwargs)
         names.append(m.strip())
     return names
 

@@ -189,10 +189,47 @@ def test_gate_curve_replays_thresholds_from_verified_drafts():
     assert rows[0.0]["ttft_ratio"] == 0.1 and rows[0.5]["ttft_ratio"] == (0.1 + 0.6) / 2
 
 
+def test_gate_curve_replays_the_gate_on_a_repaired_cache_over_calls_with_full_prompts():
+    """scripts/gate_curve.py --repaired: the gate replayed on an ungated commit run's cache (``first_divergence``
+    against the gated step) beside the plain optimistic cache's verified drafts, over the calls whose prompt is full
+    prefill's in both runs (a call after a reply that differs from full prefill's is left out). Planted bug that
+    fails it: no stop after a differing reply (the third call, whose prompt differs, counted)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gate_curve
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+    def turn(answer, **c):
+        return dict(answer=answer, stats=dict(cache_stats=c or None, ttft_s=1.0))
+
+    def rec(method, turns):
+        return dict(method=method, workflow="w", context_tokens=1, question=0, turns=turns)
+
+    full = rec("full", [turn("a"), turn("b"), turn("c")])
+    verify = rec("auto-verify", [turn("a", rebase="verify", draft_margins=[0.9, 0.1], accepted_tokens=1,
+                                      rejected_tokens=1),
+                                 turn("b", rebase="verify", draft_margins=[0.95], accepted_tokens=1, rejected_tokens=0),
+                                 turn("c", rebase="verify", draft_margins=[0.9], accepted_tokens=1, rejected_tokens=0)])
+    repair = rec("auto-commit-repair", [turn("a", draft_margins=[0.3, 0.9], first_divergence=None),
+                                        turn("x", draft_margins=[0.04], first_divergence=0),
+                                        turn("c", draft_margins=[0.01], first_divergence=None)])
+    rows = {r["gate"]: r for r in gate_curve.repair_curve([full, verify, repair], "auto-commit-repair",
+                                                          thresholds=(0.0, 0.2))["rows"]}
+    assert rows[0.0] == dict(gate=0.0, calls=2, plain_clean=1, plain_gated_at_first_token=0, repaired_clean=1,
+                             repaired_gated_at_first_token=0)
+    assert rows[0.2] == dict(gate=0.2, calls=2, plain_clean=2, plain_gated_at_first_token=0, repaired_clean=2,
+                             repaired_gated_at_first_token=1)
+    with pytest.raises(SystemExit, match="no auto-commit-gate0.1-blend0.05 calls"):
+        gate_curve.repair_curve([full, verify], "auto-commit-gate0.1-blend0.05")
+
+
 def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
-    """scripts/gate_probe.py registers ``auto-commit-gate<t>`` as commit mode with ``gate=t`` (other names left
-    alone, a threshold outside (0, 1] refused) and scripts/gate_curve.py's measured rows include every such run and
-    prefix. Planted bug that fails it: the threshold parsed as an int (``gate=0`` for ``0.2``)."""
+    """scripts/gate_probe.py registers ``auto-commit-gate<t>`` as commit mode with ``gate=t`` and
+    ``auto-commit-gate<t>-blend<r>`` / ``-epic<k>`` with that repair too (other names left alone, a threshold or
+    ratio outside (0, 1] and a fractional row count refused) and scripts/gate_curve.py's measured rows include every
+    such run and prefix. Planted bugs that fail it: the threshold parsed as an int (``gate=0`` for ``0.2``); the
+    repair suffix parsed but not passed on (a gate-only mode)."""
     from hf_kvreuse import session
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -209,8 +246,19 @@ def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
         assert session.MODES["auto-commit-gate.35"]["method_kwargs"]["gate"] == 0.35
         with pytest.raises(SystemExit, match="in \\(0, 1\\]"):
             gate_probe.register("auto-commit-gate1.5")
+        assert gate_probe.register("auto-commit-gate0.1-blend0.05,auto-commit-gate0.1-epic4") == [
+            "auto-commit-gate0.1-blend0.05", "auto-commit-gate0.1-epic4"]
+        assert session.MODES["auto-commit-gate0.1-blend0.05"]["method_kwargs"] == dict(
+            gate=0.1, repair="blend", repair_ratio=0.05)
+        assert session.MODES["auto-commit-gate0.1-epic4"]["method_kwargs"] == dict(
+            gate=0.1, repair="epic", repair_tokens=4)
+        with pytest.raises(SystemExit, match="blend repair ratio"):
+            gate_probe.register("auto-commit-gate0.1-blend1.5")
+        with pytest.raises(SystemExit, match="whole number"):
+            gate_probe.register("auto-commit-gate0.1-epic2.5")
     finally:
-        for k in ("auto-commit-gate0.2", "auto-commit-gate.35", "auto-commit-gate1.5"):
+        for k in ("auto-commit-gate0.2", "auto-commit-gate.35", "auto-commit-gate1.5", "auto-commit-gate0.1-blend0.05",
+                  "auto-commit-gate0.1-epic4"):
             session.MODES.pop(k, None)
 
     def rec(method, agrees, ratio):
