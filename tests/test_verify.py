@@ -423,6 +423,37 @@ def test_draft_margins_are_each_optimistic_steps_margin(llama, held):
 
 
 @pytest.mark.parametrize("repair", ["blend", "epic"])
+def test_gate_reads_the_repaired_cache(llama, held, repair):
+    """``gate=`` with ``repair=`` (issue 23's combined mode): the steps before the gate are the repaired cache's
+    (its tokens and margins, as without a gate), the gate fires at the first repaired step below it, and that step's
+    token is the exact model's after the same earlier tokens.
+
+    Planted bug that fails it: ``_assemble`` skips the repair when a gate is set (the margins are then the plain
+    optimistic cache's)."""
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    n = ids_b.shape[1]
+    kw = dict(max_optimistic_tokens=6, rebase="commit", repair=repair, repair_ratio=0.3, repair_tokens=2)
+    probe = OptimisticCache(llama, ids_b, cache_a, seq_a, **kw)
+    drafts = llama.generate(ids_b, cache=probe, max_new_tokens=6, do_sample=False)
+    margins = probe.stats.draft_margins
+    plain = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=6, rebase="commit")
+    llama.generate(ids_b, cache=plain, max_new_tokens=6, do_sample=False)
+    assert probe.stats.repaired_tokens > 0 and plain.stats.draft_margins != margins  # the repair changes the margins
+    step = min(range(1, 6), key=lambda i: margins[i])  # a step after the first: some repaired tokens come before it
+    gate = margins[step] + 1e-6
+    first = next(i for i in range(6) if margins[i] < gate)
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, gate=gate, **kw)
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=8, do_sample=False)
+    assert cache.stats.gated_step == first and cache.stats.repaired_tokens == probe.stats.repaired_tokens
+    assert torch.equal(out[:, : n + first], drafts[:, : n + first])
+    torch.testing.assert_close(torch.tensor(cache.stats.draft_margins[:first]), torch.tensor(margins[:first]))
+    with torch.no_grad():
+        exact_next = llama(out[:, : n + first]).logits[0, -1].argmax()
+    assert int(out[0, n + first]) == int(exact_next)
+
+
+@pytest.mark.parametrize("repair", ["blend", "epic"])
 def test_full_repair_is_plain_generate(llama, held, repair):
     """Repairing every reused row (``repair_ratio=1``, or ``repair_tokens`` longer than every span) makes the
     optimistic cache exact: commit mode then gives plain generate's tokens and logits.
