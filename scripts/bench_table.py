@@ -10,6 +10,13 @@ under ``rebase="verify"``), median first-verified-token / full, end-to-end / ful
 METHOD's, over the questions both ran (paired Newcombe 95% intervals), and how many questions each changes.
 
     python scripts/bench_table.py benchmarks/results/bench/optimistic_modes_fp32/bench.json --paired-against auto-commit
+
+``--ttft-against METHOD`` adds a third: every other method's TTFT over METHOD's call by call (the same workflow,
+question and turn), the median of those per-call ratios, the ratio of the medians, and the share of calls at or
+under half of METHOD's. Use it on runs where both methods ran in the same process (``bench --methods
+prefix,...``): TTFTs from runs of different days are not comparable on a shared CPU.
+
+    python scripts/bench_table.py benchmarks/results/bench/gate_repair_fp32/bench.json --ttft-against prefix
 """
 
 import argparse
@@ -68,16 +75,53 @@ def paired_table(result: dict, against: str) -> str:
     return "\n".join(lines)
 
 
+def ttft_table(result: dict, against: str) -> str:
+    """Per method: TTFT (first token decoded; first verified token too) over ``against``'s, call by call."""
+    import statistics
+
+    by = {}
+    for r in result["records"]:
+        by.setdefault(r["method"], {})[(r["workflow"], r["context_tokens"], r["question"])] = r
+    if against not in by:
+        raise SystemExit(f"--ttft-against {against!r}: the result has methods {sorted(by)}")
+    base = by[against]
+    lines = [f"| method | calls (questions) | TTFT / {against}'s, median per call | ratio of medians "
+             f"| calls at <= 0.5x | first verified / {against}'s TTFT, median per call |", "|---|---|---|---|---|---|"]
+    for m, recs in by.items():
+        if m in (against, "full"):
+            continue
+        keys = sorted(set(recs) & set(base))
+        first, verified, mine, theirs = [], [], [], []
+        for k in keys:
+            for t, b in zip(recs[k]["turns"], base[k]["turns"]):
+                ref = b["stats"]["ttft_s"]
+                shown = t.get("draft_ttft_s", t["stats"]["ttft_s"])
+                first.append(shown / ref)
+                verified.append(t["stats"]["ttft_s"] / ref)
+                mine.append(shown)
+                theirs.append(ref)
+        if not first:
+            continue
+        lines.append(f"| {m} | {len(first)} ({len(keys)}) | {statistics.median(first):.2f} | "
+                     f"{statistics.median(mine) / statistics.median(theirs):.2f} | "
+                     f"{100 * sum(x <= 0.5 for x in first) / len(first):.0f}% | {statistics.median(verified):.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench_json")
     p.add_argument("--paired-against", metavar="METHOD", help="also: every method minus METHOD, paired by question")
+    p.add_argument("--ttft-against", metavar="METHOD", help="also: every method's TTFT over METHOD's, call by call")
     a = p.parse_args(argv)
     result = json.loads(Path(a.bench_json).read_text())
     print(table(result))
     if a.paired_against:
         print()
         print(paired_table(result, a.paired_against))
+    if a.ttft_against:
+        print()
+        print(ttft_table(result, a.ttft_against))
 
 
 if __name__ == "__main__":

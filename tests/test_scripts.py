@@ -298,6 +298,34 @@ def test_bench_table_pairs_methods_by_question():
         bench_table.paired_table(result, "nope")
 
 
+def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
+    """scripts/bench_table.py --ttft-against: per-call TTFT ratios at the same (workflow, context, question, turn),
+    the first token decoded (``draft_ttft_s``) and the first verified one (``stats.ttft_s``); a question the
+    baseline did not run is left out. Planted bug that fails it: pairing by record order (the baseline's records
+    are in another order here)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_table
+    finally:
+        sys.path.pop(0)
+
+    def rec(method, q, ttfts, drafts=None):
+        turns = [dict(stats=dict(ttft_s=t)) for t in ttfts]
+        for turn, d in zip(turns, drafts or []):
+            turn["draft_ttft_s"] = d
+        return dict(workflow="w", context_tokens=1000, question=q, method=method, turns=turns)
+
+    base = [rec("prefix", "q0", [1.0, 2.0]), rec("prefix", "q1", [4.0, 4.0])]
+    mine = [rec("m", "q0", [1.0, 4.0], drafts=[0.5, 4.0]), rec("m", "q1", [1.0, 1.0]), rec("m", "q9", [9.0, 9.0])]
+    lines = bench_table.ttft_table({"records": base[::-1] + mine}, "prefix").splitlines()
+    cols = [c.strip() for c in lines[2].split("|")]
+    # shown ratios 0.5, 2, 0.25, 0.25 -> median 0.375; medians of the times 1 / 3; 3 of 4 at <= 0.5;
+    # verified ratios 1, 2, 0.25, 0.25 -> 0.625
+    assert cols[1:7] == ["m", "4 (2)", "0.38", "0.33", "75%", "0.62"]
+    with pytest.raises(SystemExit, match="has methods"):
+        bench_table.ttft_table({"records": mine}, "prefix")
+
+
 def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
     """scripts/latent_ablation_table.py --paired-against: held-out rows are matched by (family, record, direction),
     training-family rows are left out of the difference. Planted bug that fails it: pairing by row order (the
