@@ -17,6 +17,11 @@ under half of METHOD's. Use it on runs where both methods ran in the same proces
 prefix,...``): TTFTs from runs of different days are not comparable on a shared CPU.
 
     python scripts/bench_table.py benchmarks/results/bench/gate_repair_fp32/bench.json --ttft-against prefix
+
+``--by-turn`` splits that table by the call's place in the workflow (turn 0 = the first agent of round 0): METHOD's
+own TTFT over full prefill's there says how much of each prompt METHOD already reuses, and the count of calls that
+decoded optimistically, and of those that waited for the exact cache at the first token (a gate), says why a
+method's ratio is what it is.
 """
 
 import argparse
@@ -108,11 +113,41 @@ def ttft_table(result: dict, against: str) -> str:
     return "\n".join(lines)
 
 
+def ttft_by_turn(result: dict, against: str) -> str:
+    """:func:`ttft_table` per turn index: medians of the per-call ratios, ``against``'s TTFT over full's, and how
+    many calls decoded from an optimistic cache (and of those, waited at the first token)."""
+    import statistics
+
+    by = {}
+    for r in result["records"]:
+        by.setdefault(r["method"], {})[(r["workflow"], r["context_tokens"], r["question"])] = r
+    for m in (against, "full"):
+        if m not in by:
+            raise SystemExit(f"--by-turn needs {m!r} records: the result has methods {sorted(by)}")
+    lines = [f"| method | turn | calls | TTFT / {against}'s (median per call) | {against}'s TTFT / full's | optimistic "
+             "calls (waited at token 1) |", "|---|---|---|---|---|---|"]
+    for m, recs in by.items():
+        if m in (against, "full"):
+            continue
+        cells: dict[int, list] = {}
+        for k in sorted(set(recs) & set(by[against]) & set(by["full"])):
+            for i, (t, b, f) in enumerate(zip(recs[k]["turns"], by[against][k]["turns"], by["full"][k]["turns"])):
+                c = t["stats"].get("cache_stats") or {}
+                cells.setdefault(i, []).append((t.get("draft_ttft_s", t["stats"]["ttft_s"]) / b["stats"]["ttft_s"],
+                                                b["stats"]["ttft_s"] / f["stats"]["ttft_s"],
+                                                t["stats"].get("method") == "optimistic", c.get("gated_step") == 0))
+        for i, xs in sorted(cells.items()):
+            lines.append(f"| {m} | {i} | {len(xs)} | {statistics.median(x[0] for x in xs):.2f} | "
+                         f"{statistics.median(x[1] for x in xs):.2f} | {sum(x[2] for x in xs)} ({sum(x[3] for x in xs)}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench_json")
     p.add_argument("--paired-against", metavar="METHOD", help="also: every method minus METHOD, paired by question")
     p.add_argument("--ttft-against", metavar="METHOD", help="also: every method's TTFT over METHOD's, call by call")
+    p.add_argument("--by-turn", action="store_true", help="with --ttft-against: that table per turn of the workflow")
     a = p.parse_args(argv)
     result = json.loads(Path(a.bench_json).read_text())
     print(table(result))
@@ -122,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.ttft_against:
         print()
         print(ttft_table(result, a.ttft_against))
+        if a.by_turn:
+            print()
+            print(ttft_by_turn(result, a.ttft_against))
 
 
 if __name__ == "__main__":

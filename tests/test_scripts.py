@@ -301,8 +301,9 @@ def test_bench_table_pairs_methods_by_question():
 def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
     """scripts/bench_table.py --ttft-against: per-call TTFT ratios at the same (workflow, context, question, turn),
     the first token decoded (``draft_ttft_s``) and the first verified one (``stats.ttft_s``); a question the
-    baseline did not run is left out. Planted bug that fails it: pairing by record order (the baseline's records
-    are in another order here)."""
+    baseline did not run is left out; ``--by-turn`` the same per turn index, with the baseline's TTFT over full's and
+    the optimistic / gated-at-token-1 counts. Planted bug that fails it: pairing by record order (the baseline's
+    records are in another order here)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import bench_table
@@ -324,6 +325,16 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
     assert cols[1:7] == ["m", "4 (2)", "0.38", "0.33", "75%", "0.62"]
     with pytest.raises(SystemExit, match="has methods"):
         bench_table.ttft_table({"records": mine}, "prefix")
+    # --by-turn: per turn index, over the questions full, prefix and the method all ran
+    full = [rec("full", "q0", [10.0, 10.0]), rec("full", "q1", [8.0, 20.0])]
+    mine[0]["turns"][0]["stats"].update(method="optimistic", cache_stats=dict(gated_step=0))
+    mine[1]["turns"][0]["stats"].update(method="optimistic", cache_stats=dict(gated_step=3))
+    rows = [[c.strip() for c in line.split("|")][1:7]
+            for line in bench_table.ttft_by_turn({"records": full + base[::-1] + mine}, "prefix").splitlines()[2:]]
+    # turn 0: ratios 0.5 and 0.25, prefix / full 0.1 and 0.5; turn 1: ratios 2 and 0.25, prefix / full 0.2 and 0.2
+    assert rows == [["m", "0", "2", "0.38", "0.30", "2 (1)"], ["m", "1", "2", "1.12", "0.20", "0 (0)"]]
+    with pytest.raises(SystemExit, match="needs 'full'"):
+        bench_table.ttft_by_turn({"records": base + mine}, "prefix")
 
 
 def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
