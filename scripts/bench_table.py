@@ -11,6 +11,9 @@ METHOD's, over the questions both ran (paired Newcombe 95% intervals), and how m
 
     python scripts/bench_table.py benchmarks/results/bench/optimistic_modes_fp32/bench.json --paired-against auto-commit
 
+``--with OTHER.json`` (repeatable) adds the methods of other runs on the same questions to the paired table (a
+method already in the first file keeps its records there): e.g. a new mode against the table it extends.
+
 ``--ttft-against METHOD`` adds a third: every other method's TTFT over METHOD's call by call (the same workflow,
 question and turn), the median of those per-call ratios, the ratio of the medians, and the share of calls at or
 under half of METHOD's. Use it on runs where both methods ran in the same process (``bench --methods
@@ -50,6 +53,17 @@ def table(result: dict) -> str:
                      f"{_pct(r['agreement'])} {_ci(r['agreement_ci'])} | {r['ttft_ratio']:.2f} | "
                      f"{r['first_verified_ratio']:.2f} | {r['e2e_ratio']:.2f} | {kept} |")
     return "\n".join(lines)
+
+
+def with_methods_of(result: dict, others: list[dict]) -> dict:
+    """``result`` plus the records of methods it does not have from ``others`` (in order; first one wins)."""
+    records = list(result["records"])
+    have = {r["method"] for r in records}
+    for other in others:
+        new = [r for r in other["records"] if r["method"] not in have]
+        records += new
+        have |= {r["method"] for r in new}
+    return dict(result, records=records)
 
 
 def paired_table(result: dict, against: str) -> str:
@@ -148,12 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paired-against", metavar="METHOD", help="also: every method minus METHOD, paired by question")
     p.add_argument("--ttft-against", metavar="METHOD", help="also: every method's TTFT over METHOD's, call by call")
     p.add_argument("--by-turn", action="store_true", help="with --ttft-against: that table per turn of the workflow")
+    p.add_argument("--with", dest="others", action="append", default=[], metavar="OTHER_JSON",
+                   help="with --paired-against: also the methods of these bench.json files (same questions)")
     a = p.parse_args(argv)
     result = json.loads(Path(a.bench_json).read_text())
     print(table(result))
     if a.paired_against:
         print()
-        print(paired_table(result, a.paired_against))
+        print(paired_table(with_methods_of(result, [json.loads(Path(f).read_text()) for f in a.others]),
+                           a.paired_against))
     if a.ttft_against:
         print()
         print(ttft_table(result, a.ttft_against))

@@ -274,8 +274,8 @@ def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
 def test_bench_table_pairs_methods_by_question():
     """scripts/bench_table.py --paired-against: a method is compared with the baseline on the questions both ran,
     matched by (workflow, context, question); wins and losses count questions where only one agrees with full.
-    Planted bug that fails it: pairing by record order instead of by question (the shuffled baseline then gives
-    other wins / losses)."""
+    ``--with`` adds another run's methods, never replacing the first file's. Planted bug that fails it: pairing by
+    record order instead of by question (the shuffled baseline then gives other wins / losses)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import bench_table
@@ -296,6 +296,12 @@ def test_bench_table_pairs_methods_by_question():
     assert cols[5].startswith("+0 [")
     with pytest.raises(SystemExit, match="has methods"):
         bench_table.paired_table(result, "nope")
+    # --with: another run's methods join the pairs; a method the first file has keeps its own records
+    later = {"records": [rec("new", f"q{i}", agrees=True, correct=True) for i in range(10)]
+             + [rec("base", f"q{i}", agrees=True, correct=True) for i in range(10)]}
+    joined = bench_table.with_methods_of(result, [later])
+    rows = {line.split("|")[1].strip(): line for line in bench_table.paired_table(joined, "base").splitlines()[2:]}
+    assert set(rows) == {"other", "new"} and rows["new"].split("|")[3].strip().startswith("+40 [")
 
 
 def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
