@@ -1,0 +1,95 @@
+"""Issue 23 diagnosis: where a round-1-like ``OptimisticCache`` call spends its time to the first token.
+
+    python scripts/assembly_profile.py --out benchmarks/results/assembly_profile.json
+
+Qwen2.5-Coder-0.5B-Instruct (float32, one thread): a donor cache over a 1,090-token prompt plus its 40-token reply; a
+target that shares the 1,090-token prefix, adds 15 new tokens, repeats the donor's reply at another position and
+ends with 10 new tokens (the shape of a round-1 call in the 3 x 3 workflow: a long exact prefix, a reused reply, a
+few unmatched rows). Reports, medians of ``--reps``: the assembly (``stats.assemble_s``), the part of it spent in
+``partial_forward`` (the unmatched rows' forward), TTFT; and plain forwards of 1, 25 and 66 new rows over the
+1,090-row prefix (a decode step, the unmatched rows alone, what ``prefix`` computes in such a call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="benchmarks/results/assembly_profile.json")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    import hf_kvreuse.cache_classes.optimistic as optimistic
+    from hf_kvreuse import OptimisticCache
+    from hf_kvreuse.models import load_qwen
+
+    model, _ = load_qwen("0.5b", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(100, 20000, (1, 1090), generator=g)
+    donor_ids = torch.cat([base, torch.randint(100, 20000, (1, 40), generator=g)], 1)
+    target = torch.cat([base, torch.randint(100, 20000, (1, 15), generator=g), donor_ids[:, 1090:],
+                        torch.randint(100, 20000, (1, 10), generator=g)], 1)
+    with torch.no_grad():
+        donor = model(donor_ids, use_cache=True).past_key_values
+        prefix_cache = model(base, use_cache=True).past_key_values
+    spent = []
+    original = optimistic.partial_forward
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        out = original(*args, **kwargs)
+        spent.append(time.perf_counter() - t)
+        return out
+
+    optimistic.partial_forward = timed
+    calls = []
+    try:
+        for _ in range(a.reps):
+            cache = OptimisticCache(model, target, copy.deepcopy(donor), donor_ids, rebase="commit",
+                                    max_optimistic_tokens=1)
+            model.generate(target, cache=cache, max_new_tokens=1, do_sample=False)
+            s = cache.stats
+            calls.append(dict(assemble_s=s.assemble_s, partial_forward_s=spent[-1], ttft_s=s.ttft_s,
+                              new_tokens=s.new_tokens, prefix_tokens=s.prefix_tokens, reused_tokens=s.reused_tokens))
+    finally:
+        optimistic.partial_forward = original
+    forwards = {}
+    with torch.no_grad():
+        for n in (1, 25, 66):
+            ts = []
+            for _ in range(a.reps):
+                c = copy.deepcopy(prefix_cache)
+                t = time.perf_counter()
+                model(target[:, 1090:1090 + n], past_key_values=c, use_cache=True)
+                ts.append(time.perf_counter() - t)
+            forwards[str(n)] = statistics.median(ts)
+    med = {k: statistics.median(c[k] for c in calls) for k in ("assemble_s", "partial_forward_s", "ttft_s")}
+    result = dict(config=dict(command="scripts/assembly_profile.py", reps=a.reps, threads=a.threads,
+                              model="qwen2.5-coder-0.5b-instruct", dtype="float32", prefix_tokens=1090),
+                  calls=calls, median=med, forward_over_prefix_s=forwards)
+    try:
+        result["config"]["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                        text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"optimistic call ({calls[0]['new_tokens']} new rows): TTFT {med['ttft_s']:.3f} s, assembly "
+          f"{med['assemble_s']:.3f} s, of which the unmatched rows' forward {med['partial_forward_s']:.3f} s")
+    print("plain forward over the 1,090-row prefix: " + ", ".join(f"{n} rows {t:.3f} s" for n, t in forwards.items()))
+
+
+if __name__ == "__main__":
+    main()
