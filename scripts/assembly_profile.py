@@ -28,18 +28,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/assembly_profile.json")
+    p.add_argument("--model", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b",
+                   help="tiny: a random-init Qwen2 of hf_kvreuse.models (the script's test)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     import hf_kvreuse.cache_classes.optimistic as optimistic
     from hf_kvreuse import OptimisticCache
-    from hf_kvreuse.models import load_qwen
+    from hf_kvreuse.models import load_qwen, tiny_model
 
-    model, _ = load_qwen("0.5b", dtype=torch.float32)
+    model = load_qwen("0.5b", dtype=torch.float32)[0] if a.model == "qwen2.5-0.5b" else tiny_model("qwen2")
+    hi = min(20000, model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
-    base = torch.randint(100, 20000, (1, 1090), generator=g)
-    donor_ids = torch.cat([base, torch.randint(100, 20000, (1, 40), generator=g)], 1)
-    target = torch.cat([base, torch.randint(100, 20000, (1, 15), generator=g), donor_ids[:, 1090:],
-                        torch.randint(100, 20000, (1, 10), generator=g)], 1)
+    base = torch.randint(3, hi, (1, 1090), generator=g)
+    donor_ids = torch.cat([base, torch.randint(3, hi, (1, 40), generator=g)], 1)
+    target = torch.cat([base, torch.randint(3, hi, (1, 15), generator=g), donor_ids[:, 1090:],
+                        torch.randint(3, hi, (1, 10), generator=g)], 1)
     with torch.no_grad():
         donor = model(donor_ids, use_cache=True).past_key_values
         prefix_cache = model(base, use_cache=True).past_key_values
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             forwards[str(n)] = statistics.median(ts)
     med = {k: statistics.median(c[k] for c in calls) for k in ("assemble_s", "partial_forward_s", "ttft_s")}
     result = dict(config=dict(command="scripts/assembly_profile.py", reps=a.reps, threads=a.threads,
-                              model="qwen2.5-coder-0.5b-instruct", dtype="float32", prefix_tokens=1090),
+                              model=a.model, dtype="float32", prefix_tokens=1090),
                   calls=calls, median=med, forward_over_prefix_s=forwards)
     try:
         result["config"]["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,

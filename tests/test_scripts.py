@@ -343,6 +343,29 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
         bench_table.ttft_by_turn({"records": base + mine}, "prefix")
 
 
+def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(tmp_path):
+    """scripts/assembly_profile.py on a tiny model: every call computes the 25 new rows (24 in the assembly, the
+    last fed by generate), the timed ``partial_forward`` is part of the assembly, and the library's
+    ``partial_forward`` is the original again afterwards. Planted bug that fails it: the timing wrapper left
+    installed (no ``finally``)."""
+    import hf_kvreuse.cache_classes.optimistic as optimistic
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import assembly_profile
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    original = optimistic.partial_forward
+    out = tmp_path / "p.json"
+    assembly_profile.main(["--model", "tiny", "--reps", "2", "--out", str(out)])
+    assert optimistic.partial_forward is original
+    r = json.loads(out.read_text())
+    assert len(r["calls"]) == 2 and set(r["forward_over_prefix_s"]) == {"1", "25", "66"}
+    for c in r["calls"]:
+        assert c["new_tokens"] == 25 and c["prefix_tokens"] == 1090  # 15 + 10 new rows (the last one fed by generate)
+        assert 0 < c["partial_forward_s"] <= c["assemble_s"] <= c["ttft_s"]
+
+
 def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
     """scripts/latent_ablation_table.py --paired-against: held-out rows are matched by (family, record, direction),
     training-family rows are left out of the difference. Planted bug that fails it: pairing by row order (the
