@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     import hf_kvreuse.cache_classes.optimistic as optimistic
     from hf_kvreuse import OptimisticCache
+    from hf_kvreuse.cli import _git_commit
     from hf_kvreuse.models import load_qwen, tiny_model
 
     model = load_qwen("0.5b", dtype=torch.float32)[0] if a.model == "qwen2.5-0.5b" else tiny_model("qwen2")
@@ -81,11 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(config=dict(command="scripts/assembly_profile.py", reps=a.reps, threads=a.threads,
                               model=a.model, dtype="float32", prefix_tokens=1090),
                   calls=calls, median=med, forward_over_prefix_s=forwards)
-    try:
-        result["config"]["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                        text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    result["config"]["git_commit"] = _git_commit()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

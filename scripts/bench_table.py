@@ -66,24 +66,35 @@ def with_methods_of(result: dict, others: list[dict]) -> dict:
     return dict(result, records=records)
 
 
-def paired_table(result: dict, against: str) -> str:
-    """Per method: (agreement, accuracy) minus ``against``'s on the same (workflow, context, question) cells."""
-    from hf_kvreuse.cli import paired_difference
-
+def by_method(result: dict, against: str, flag: str) -> dict:
+    """``{method: {(workflow, context, question): record}}``; ``against`` must be one of the methods."""
     by = {}
     for r in result["records"]:
         by.setdefault(r["method"], {})[(r["workflow"], r["context_tokens"], r["question"])] = r
     if against not in by:
-        raise SystemExit(f"--paired-against {against!r}: the result has methods {sorted(by)}")
+        raise SystemExit(f"{flag} {against!r}: the result has methods {sorted(by)}")
+    return by
+
+
+def compared(by: dict, against: str, *need: str):
+    """``(method, its records, the cells it shares with against and every method in need)``, for each method other
+    than ``against`` and full prefill that shares at least one cell."""
+    shared = set(by[against]).intersection(*(by[n] for n in need))
+    for m, recs in by.items():
+        keys = sorted(set(recs) & shared)
+        if m not in (against, "full") and keys:
+            yield m, recs, keys
+
+
+def paired_table(result: dict, against: str) -> str:
+    """Per method: (agreement, accuracy) minus ``against``'s on the same (workflow, context, question) cells."""
+    from hf_kvreuse.cli import paired_difference
+
+    by = by_method(result, against, "--paired-against")
     base = by[against]
     lines = [f"| method | n (paired) | final answer = full's, minus {against}'s [95% CI] | questions won / lost "
              f"| accuracy minus {against}'s [95% CI] |", "|---|---|---|---|---|"]
-    for m, recs in by.items():
-        if m in (against, "full"):
-            continue
-        keys = sorted(set(recs) & set(base))
-        if not keys:
-            continue
+    for m, recs, keys in compared(by, against):
         x, y = [bool(recs[k]["agrees"]) for k in keys], [bool(base[k]["agrees"]) for k in keys]
         d, lo, hi = paired_difference(x, y)
         cx, cy = [bool(recs[k]["correct"]) for k in keys], [bool(base[k]["correct"]) for k in keys]
@@ -98,18 +109,11 @@ def ttft_table(result: dict, against: str) -> str:
     """Per method: TTFT (first token decoded; first verified token too) over ``against``'s, call by call."""
     import statistics
 
-    by = {}
-    for r in result["records"]:
-        by.setdefault(r["method"], {})[(r["workflow"], r["context_tokens"], r["question"])] = r
-    if against not in by:
-        raise SystemExit(f"--ttft-against {against!r}: the result has methods {sorted(by)}")
+    by = by_method(result, against, "--ttft-against")
     base = by[against]
     lines = [f"| method | calls (questions) | TTFT / {against}'s, median per call | ratio of medians "
              f"| calls at <= 0.5x | first verified / {against}'s TTFT, median per call |", "|---|---|---|---|---|---|"]
-    for m, recs in by.items():
-        if m in (against, "full"):
-            continue
-        keys = sorted(set(recs) & set(base))
+    for m, recs, keys in compared(by, against):
         first, verified, mine, theirs = [], [], [], []
         for k in keys:
             for t, b in zip(recs[k]["turns"], base[k]["turns"]):
@@ -132,19 +136,14 @@ def ttft_by_turn(result: dict, against: str) -> str:
     many calls decoded from an optimistic cache (and of those, waited at the first token)."""
     import statistics
 
-    by = {}
-    for r in result["records"]:
-        by.setdefault(r["method"], {})[(r["workflow"], r["context_tokens"], r["question"])] = r
-    for m in (against, "full"):
-        if m not in by:
-            raise SystemExit(f"--by-turn needs {m!r} records: the result has methods {sorted(by)}")
+    by = by_method(result, against, "--ttft-against")
+    if "full" not in by:
+        raise SystemExit(f"--by-turn needs 'full' records: the result has methods {sorted(by)}")
     lines = [f"| method | turn | calls | TTFT / {against}'s (median per call) | {against}'s TTFT / full's | optimistic "
              "calls (waited at token 1) |", "|---|---|---|---|---|---|"]
-    for m, recs in by.items():
-        if m in (against, "full"):
-            continue
+    for m, recs, keys in compared(by, against, "full"):
         cells: dict[int, list] = {}
-        for k in sorted(set(recs) & set(by[against]) & set(by["full"])):
+        for k in keys:
             for i, (t, b, f) in enumerate(zip(recs[k]["turns"], by[against][k]["turns"], by["full"][k]["turns"])):
                 c = t["stats"].get("cache_stats") or {}
                 cells.setdefault(i, []).append((t.get("draft_ttft_s", t["stats"]["ttft_s"]) / b["stats"]["ttft_s"],
