@@ -18,6 +18,11 @@ TTFT under a gate: the first draft's (``draft_ttft_s``) when the gate fires afte
 the first token, the call waits for the exact prefill, estimated as the first draft's TTFT plus the background prefill
 (``background_prefill_s``, measured while drafts ran beside it: a slight overestimate on this 2-core CPU). Ratios
 are per call against the full-prefill call at the same question and turn (same prompt), then the median.
+
+``--repaired METHOD`` (e.g. ``auto-commit-repair``, an ungated commit run whose cache was repaired before the first
+token) replays the gate on that cache too: its ``draft_margins`` say where a gate would fire and its
+``first_divergence`` whether a token before it was wrong. Calls are compared only where the prompt is full prefill's
+in both runs (every earlier reply of the workflow equal to full prefill's), so both columns count the same calls.
 """
 
 from __future__ import annotations
