@@ -14,6 +14,9 @@ METHOD's, over the questions both ran (paired Newcombe 95% intervals), and how m
 ``--with OTHER.json`` (repeatable) adds the methods of other runs on the same questions to the paired table (a
 method already in the first file keeps its records there): e.g. a new mode against the table it extends.
 
+``--calls`` adds, per method, how many replies equal full prefill's and how many calls decoded optimistically, were
+gated (at the first token) and had rows repaired.
+
 ``--ttft-against METHOD`` adds a third: every other method's TTFT over METHOD's call by call (the same workflow,
 question and turn), the median of those per-call ratios, the ratio of the medians, and the share of calls at or
 under half of METHOD's. Use it on runs where both methods ran in the same process (``bench --methods
@@ -139,8 +142,9 @@ def ttft_by_turn(result: dict, against: str) -> str:
     by = by_method(result, against, "--ttft-against")
     if "full" not in by:
         raise SystemExit(f"--by-turn needs 'full' records: the result has methods {sorted(by)}")
-    lines = [f"| method | turn | calls | TTFT / {against}'s (median per call) | {against}'s TTFT / full's | optimistic "
-             "calls (waited at token 1) |", "|---|---|---|---|---|---|"]
+    lines = [f"| method | turn | calls | TTFT / {against}'s (median per call) | {against}'s TTFT / full's "
+             f"| prompt share {against} reused | optimistic calls (waited at token 1) |",
+             "|---|---|---|---|---|---|---|"]
     for m, recs, keys in compared(by, against, "full"):
         cells: dict[int, list] = {}
         for k in keys:
@@ -148,10 +152,39 @@ def ttft_by_turn(result: dict, against: str) -> str:
                 c = t["stats"].get("cache_stats") or {}
                 cells.setdefault(i, []).append((t.get("draft_ttft_s", t["stats"]["ttft_s"]) / b["stats"]["ttft_s"],
                                                 b["stats"]["ttft_s"] / f["stats"]["ttft_s"],
-                                                t["stats"].get("method") == "optimistic", c.get("gated_step") == 0))
+                                                t["stats"].get("method") == "optimistic", c.get("gated_step") == 0,
+                                                1 - b["stats"]["new_tokens"] / b["stats"]["prompt_tokens"]))
         for i, xs in sorted(cells.items()):
             lines.append(f"| {m} | {i} | {len(xs)} | {statistics.median(x[0] for x in xs):.2f} | "
-                         f"{statistics.median(x[1] for x in xs):.2f} | {sum(x[2] for x in xs)} ({sum(x[3] for x in xs)}) |")
+                         f"{statistics.median(x[1] for x in xs):.2f} | "
+                         f"{100 * statistics.median(x[4] for x in xs):.1f}% | "
+                         f"{sum(x[2] for x in xs)} ({sum(x[3] for x in xs)}) |")
+    return "\n".join(lines)
+
+
+def calls_table(result: dict) -> str:
+    """Per method, over all its calls: how many replies equal full prefill's (same question and turn), how many
+    decoded from an optimistic cache, were gated (at any step; at the first token), and the median rows repaired."""
+    import statistics
+
+    by = by_method(result, "full", "--calls: full prefill")
+    lines = ["| method | calls = full's | optimistic calls | gated (at token 1) | repaired rows, median per optimistic "
+             "call |", "|---|---|---|---|---|"]
+    for m, recs, keys in compared(by, "full"):
+        same = total = opt = gated = first = 0
+        repaired = []
+        for k in keys:
+            for t, f in zip(recs[k]["turns"], by["full"][k]["turns"]):
+                total += 1
+                same += t["answer"] == f["answer"]
+                if t["stats"].get("method") == "optimistic":
+                    c = t["stats"].get("cache_stats") or {}
+                    opt += 1
+                    gated += c.get("gated_step") is not None
+                    first += c.get("gated_step") == 0
+                    repaired.append(c.get("repaired_tokens") or 0)
+        rep = f"{statistics.median(repaired):g}" if repaired else "-"
+        lines.append(f"| {m} | {same}/{total} | {opt} | {gated} ({first}) | {rep} |")
     return "\n".join(lines)
 
 
@@ -161,11 +194,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paired-against", metavar="METHOD", help="also: every method minus METHOD, paired by question")
     p.add_argument("--ttft-against", metavar="METHOD", help="also: every method's TTFT over METHOD's, call by call")
     p.add_argument("--by-turn", action="store_true", help="with --ttft-against: that table per turn of the workflow")
+    p.add_argument("--calls", action="store_true",
+                   help="also: replies equal to full prefill's, optimistic, gated and repaired counts per method")
     p.add_argument("--with", dest="others", action="append", default=[], metavar="OTHER_JSON",
                    help="with --paired-against: also the methods of these bench.json files (same questions)")
     a = p.parse_args(argv)
     result = json.loads(Path(a.bench_json).read_text())
     print(table(result))
+    if a.calls:
+        print()
+        print(calls_table(result))
     if a.paired_against:
         print()
         print(paired_table(with_methods_of(result, [json.loads(Path(f).read_text()) for f in a.others]),

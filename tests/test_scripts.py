@@ -307,9 +307,10 @@ def test_bench_table_pairs_methods_by_question():
 def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
     """scripts/bench_table.py --ttft-against: per-call TTFT ratios at the same (workflow, context, question, turn),
     the first token decoded (``draft_ttft_s``) and the first verified one (``stats.ttft_s``); a question the
-    baseline did not run is left out; ``--by-turn`` the same per turn index, with the baseline's TTFT over full's and
-    the optimistic / gated-at-token-1 counts. Planted bug that fails it: pairing by record order (the baseline's
-    records are in another order here)."""
+    baseline did not run is left out; ``--by-turn`` the same per turn index, with the baseline's TTFT over full's, its
+    reused prompt share and the optimistic / gated-at-token-1 counts; ``--calls`` the per-method counts. Planted
+    bugs that fail it: pairing by record order in ``ttft_table`` or in ``calls_table`` (the baseline's and full
+    prefill's records are in another order here)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import bench_table
@@ -333,14 +334,26 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
         bench_table.ttft_table({"records": mine}, "prefix")
     # --by-turn: per turn index, over the questions full, prefix and the method all ran
     full = [rec("full", "q0", [10.0, 10.0]), rec("full", "q1", [8.0, 20.0])]
-    mine[0]["turns"][0]["stats"].update(method="optimistic", cache_stats=dict(gated_step=0))
-    mine[1]["turns"][0]["stats"].update(method="optimistic", cache_stats=dict(gated_step=3))
-    rows = [[c.strip() for c in line.split("|")][1:7]
+    for r, reused in zip(base, (0.0, 0.5)):
+        for t in r["turns"]:
+            t["stats"].update(prompt_tokens=100, new_tokens=int(100 * (1 - reused)))
+    mine[0]["turns"][0]["stats"].update(method="optimistic", cache_stats=dict(gated_step=0, repaired_tokens=2))
+    mine[1]["turns"][0]["stats"].update(method="optimistic", cache_stats=dict(gated_step=3, repaired_tokens=6))
+    rows = [[c.strip() for c in line.split("|")][1:8]
             for line in bench_table.ttft_by_turn({"records": full + base[::-1] + mine}, "prefix").splitlines()[2:]]
-    # turn 0: ratios 0.5 and 0.25, prefix / full 0.1 and 0.5; turn 1: ratios 2 and 0.25, prefix / full 0.2 and 0.2
-    assert rows == [["m", "0", "2", "0.38", "0.30", "2 (1)"], ["m", "1", "2", "1.12", "0.20", "0 (0)"]]
+    # turn 0: ratios 0.5 and 0.25, prefix / full 0.1 and 0.5; turn 1: ratios 2 and 0.25, prefix / full 0.2 and 0.2;
+    # prefix reused 0% of q0's prompts and 50% of q1's
+    assert rows == [["m", "0", "2", "0.38", "0.30", "25.0%", "2 (1)"],
+                    ["m", "1", "2", "1.12", "0.20", "25.0%", "0 (0)"]]
     with pytest.raises(SystemExit, match="needs 'full'"):
         bench_table.ttft_by_turn({"records": base + mine}, "prefix")
+    # --calls: replies equal to full's by question and turn, optimistic / gated / repaired counts
+    for r, answers in zip(full + mine, (["a", "b"], ["c", "d"], ["a", "x"], ["c", "d"], ["z", "z"])):
+        for t, a in zip(r["turns"], answers):
+            t["answer"] = a
+    calls = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")][2:6]
+             for line in bench_table.calls_table({"records": full[::-1] + mine}).splitlines()[2:]}
+    assert calls == {"m": ["3/4", "2", "2 (1)", "4"]}
 
 
 def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(tmp_path):
