@@ -5,7 +5,9 @@ process only, a mode ``auto-commit-gate<t>`` for every such name in ``--methods`
 e.g. ``auto-commit-gate0.2``: ``policy="auto", rebase="commit", gate=t``), optionally with a repair of the
 optimistic cache before the first token: ``auto-commit-gate<t>-blend<r>`` (``repair="blend", repair_ratio=r``,
 r in (0, 1]) or ``auto-commit-gate<t>-epic<k>`` (``repair="epic", repair_tokens=k``, k >= 1: the first k rows of
-every reused span), then runs ``hf-kvreuse bench`` with the arguments given. With ``--reference`` to an earlier
+every reused span), and a suffix ``-unfused`` for RebaseKV's two forwards before the first token
+(``fuse_first_step=False``: the unmatched rows' forward, then a one-token decode step; the default fuses them into
+one), then runs ``hf-kvreuse bench`` with the arguments given. With ``--reference`` to an earlier
 run's full-prefill records, only the new modes run:
 
     python scripts/gate_probe.py --model qwen2.5-0.5b --dtype fp32 --workflows fully_connected \\
@@ -20,11 +22,11 @@ import sys
 from hf_kvreuse import session
 from hf_kvreuse.cli import main
 
-_NAME = re.compile(r"auto-commit-gate(\d*\.?\d+)(?:-(blend|epic)(\d*\.?\d+))?$")
+_NAME = re.compile(r"auto-commit-gate(\d*\.?\d+)(?:-(blend|epic)(\d*\.?\d+))?(-unfused)?$")
 
 
 def register(methods: str) -> list[str]:
-    """Register every ``auto-commit-gate<t>[-blend<r>|-epic<k>]`` of a comma-separated method list; returns the
+    """Register every ``auto-commit-gate<t>[-blend<r>|-epic<k>][-unfused]`` of a comma-separated method list; returns the
     names registered."""
     names = []
     for m in methods.split(","):
@@ -45,6 +47,8 @@ def register(methods: str) -> list[str]:
             if k != int(k) or k < 1:
                 raise SystemExit(f"{m}: the epic repair needs a whole number of rows >= 1 per span")
             kwargs.update(repair="epic", repair_tokens=int(k))
+        if match.group(4):
+            kwargs.update(fuse_first_step=False)
         session.MODES[m.strip()] = dict(policy="auto", rebase="commit", method_kwargs=kwargs)
         names.append(m.strip())
     return names

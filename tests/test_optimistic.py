@@ -148,6 +148,51 @@ def test_sampling_with_swap_returns_exact_cache(llama, slow_background):
     assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("repair", [None, "epic"])
+def test_fused_first_step_equals_two_forwards(arch_model, slow_background, repair):
+    """``fuse_first_step`` (the default): the unmatched rows and the last prompt token in one partial forward give
+    the same first logits, tokens and optimistic K/V (the cache is left optimistic: ``on_early_finish="cancel"``)
+    as RebaseKV's two forwards (``fuse_first_step=False``), and those logits are not full prefill's (the rows read
+    the stale cache, so a wrong row or position shows).
+
+    Planted bugs that fail it: the fused forward's extra row is ``covered - 1`` instead of the last prompt token's
+    ``covered``; ``OptimisticCache.forward`` does not ``load_kv`` the full-length K/V after it."""
+    ids_a, ids_b = agent_prompts(12)
+    donor = _donor(arch_model, ids_a)
+    runs = {}
+    for fuse in (True, False):
+        cache = _cache(arch_model, ids_b, donor, max_optimistic_tokens=None, on_early_finish="cancel",
+                       fuse_first_step=fuse, repair=repair, repair_tokens=3)
+        out = arch_model.generate(ids_b, cache=cache, max_new_tokens=4, do_sample=False,
+                                  return_dict_in_generate=True, output_logits=True)
+        runs[fuse] = cache, out
+    (fc, fo), (uc, uo) = runs[True], runs[False]
+    assert fc.stats.fused_first_step and not uc.stats.fused_first_step
+    assert fc.stats.new_tokens == uc.stats.new_tokens > 1 and fc.stats.repaired_tokens == uc.stats.repaired_tokens
+    assert (fc.stats.repaired_tokens > 0) == (repair == "epic")
+    torch.testing.assert_close(torch.stack(fo.logits), torch.stack(uo.logits), atol=1e-4, rtol=1e-4)
+    assert torch.equal(fo.sequences, uo.sequences)
+    assert fc.physical_length() == uc.physical_length() == fo.sequences.shape[1] - 1
+    assert_kv_close(fc, uc, atol=1e-5, rtol=1e-5)
+    _, full_logits = exact_prefill(arch_model, ids_b)
+    assert not torch.allclose(fo.logits[0][0], full_logits[0, -1], atol=1e-3)
+
+
+def test_fused_first_step_off_when_hidden_states_are_returned(slow_background):
+    """generate asked for hidden states: the first forward is the model's own (its hidden states are the last
+    token's, as without a cache); a non-bool ``fuse_first_step`` is refused. (Its own model: transformers leaves
+    output-capturing hooks on a model that returned hidden states, and such a model no longer pickles.)"""
+    llama = enable(tiny_model("llama"))
+    ids_a, ids_b = agent_prompts(13)
+    donor = _donor(llama, ids_a)
+    cache = _cache(llama, ids_b, donor, max_optimistic_tokens=None, on_early_finish="cancel")
+    out = llama.generate(ids_b, cache=cache, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                         output_hidden_states=True)
+    assert not cache.stats.fused_first_step and out.hidden_states[0][-1].shape[1] == 1
+    with pytest.raises(TypeError, match="fuse_first_step"):
+        _cache(llama, ids_b, donor, fuse_first_step="yes")
+
+
 def test_both_keywords(llama):
     """``cache=`` and ``past_key_values=`` both work (plain generate's tokens) and neither warns.
 

@@ -229,7 +229,7 @@ def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
     ``auto-commit-gate<t>-blend<r>`` / ``-epic<k>`` with that repair too (other names left alone, a threshold or
     ratio outside (0, 1] and a fractional row count refused) and scripts/gate_curve.py's measured rows include every
     such run and prefix. Planted bugs that fail it: the threshold parsed as an int (``gate=0`` for ``0.2``); the
-    repair suffix parsed but not passed on (a gate-only mode)."""
+    repair suffix parsed but not passed on (a gate-only mode); the ``-unfused`` suffix parsed but not passed on."""
     from hf_kvreuse import session
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -256,9 +256,15 @@ def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
             gate_probe.register("auto-commit-gate0.1-blend1.5")
         with pytest.raises(SystemExit, match="whole number"):
             gate_probe.register("auto-commit-gate0.1-epic2.5")
+        assert gate_probe.register("auto-commit-gate0.2-unfused,auto-commit-gate0.1-epic4-unfused") == [
+            "auto-commit-gate0.2-unfused", "auto-commit-gate0.1-epic4-unfused"]
+        assert session.MODES["auto-commit-gate0.2-unfused"]["method_kwargs"] == dict(gate=0.2, fuse_first_step=False)
+        assert session.MODES["auto-commit-gate0.1-epic4-unfused"]["method_kwargs"] == dict(
+            gate=0.1, repair="epic", repair_tokens=4, fuse_first_step=False)
+        assert "fuse_first_step" not in session.MODES["auto-commit-gate0.1-epic4"]["method_kwargs"]
     finally:
         for k in ("auto-commit-gate0.2", "auto-commit-gate.35", "auto-commit-gate1.5", "auto-commit-gate0.1-blend0.05",
-                  "auto-commit-gate0.1-epic4"):
+                  "auto-commit-gate0.1-epic4", "auto-commit-gate0.2-unfused", "auto-commit-gate0.1-epic4-unfused"):
             session.MODES.pop(k, None)
 
     def rec(method, agrees, ratio):
@@ -357,8 +363,9 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
 
 
 def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(tmp_path):
-    """scripts/assembly_profile.py on a tiny model: every call computes the 25 new rows (24 in the assembly, the
-    last fed by generate), the timed ``partial_forward`` is part of the assembly, and the library's
+    """scripts/assembly_profile.py on a tiny model, both modes: every call computes the 25 new rows (two forwards:
+    24 in the assembly, the last fed by generate; fused: all in the first step), the timed ``partial_forward`` is
+    part of the assembly only in the first mode, and the library's
     ``partial_forward`` is the original again afterwards. Planted bug that fails it: the timing wrapper left
     installed (no ``finally``)."""
     import hf_kvreuse.cache_classes.optimistic as optimistic
@@ -373,10 +380,16 @@ def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(
     assembly_profile.main(["--model", "tiny", "--reps", "2", "--out", str(out)])
     assert optimistic.partial_forward is original
     r = json.loads(out.read_text())
-    assert len(r["calls"]) == 2 and set(r["forward_over_prefix_s"]) == {"1", "25", "66"}
-    for c in r["calls"]:
-        assert c["new_tokens"] == 25 and c["prefix_tokens"] == 1090  # 15 + 10 new rows (the last one fed by generate)
-        assert 0 < c["partial_forward_s"] <= c["assemble_s"] <= c["ttft_s"]
+    assert set(r["forward_over_prefix_s"]) == {"1", "25", "66"}
+    assert {m: len(c) for m, c in r["calls"].items()} == {"two_forwards": 2, "fused": 2}
+    for mode, calls in r["calls"].items():
+        for c in calls:
+            assert c["new_tokens"] == 25 and c["prefix_tokens"] == 1090  # 15 + 10 new rows, the last one fed
+            if mode == "two_forwards":
+                assert 0 < c["partial_forward_s"] <= c["assemble_s"] <= c["ttft_s"]
+            else:  # the unmatched rows' forward is the first step's, after the assembly
+                assert c["assemble_s"] < c["ttft_s"] and 0 < c["partial_forward_s"] <= c["ttft_s"]
+    assert r["median"]["fused_over_two_forwards_ttft"] > 0
 
 
 def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):

@@ -151,21 +151,25 @@ def test_assembled_optimistic_cache_layer0_equals_full_prefill(arch_model, held_
     """Layer 0 K/V depend only on token and position, so every row of the assembled optimistic cache (donor rows
     re-positioned, unmatched rows computed) equals full prefill there; above layer 0 donor rows are stale.
 
+    The snapshot is taken after the first forward (with ``fuse_first_step`` the unmatched rows are computed there)
+    and before the swap; rows of the whole prompt are compared, the last token's included.
+
     Planted bug that fails it: ``OptimisticCache._assemble`` copies donor keys without the RoPE shift."""
     ids_a, ids_b = agent_prompts(21, shared=40, role_a=5, role_b=11)
     donor = _donor(arch_model, ids_a)
     snap = {}
-    orig = OptimisticCache._assemble
+    orig = OptimisticCache.after_forward
 
-    def assemble_and_snapshot(self):
-        orig(self)
-        snap["kv"] = [(k.clone(), v.clone()) for k, v in kv_of(self)]
+    def snapshot_first_step(self, outputs):
+        if "kv" not in snap:
+            snap["kv"] = [(k.clone(), v.clone()) for k, v in kv_of(self)]
+        orig(self, outputs)
 
-    monkeypatch.setattr(OptimisticCache, "_assemble", assemble_and_snapshot)
+    monkeypatch.setattr(OptimisticCache, "after_forward", snapshot_first_step)
     cache = OptimisticCache(arch_model, ids_b, *donor, max_optimistic_tokens=None)
     arch_model.generate(ids_b, cache=cache, max_new_tokens=2, do_sample=False)
-    assert cache.stats.reused_tokens >= 30 and cache.stats.new_tokens > 0
-    ref, _ = exact_prefill(arch_model, ids_b[:, :-1])
+    assert cache.stats.reused_tokens >= 30 and cache.stats.new_tokens > 0 and cache.stats.fused_first_step
+    ref, _ = exact_prefill(arch_model, ids_b)
     (k0, v0), (rk0, rv0) = snap["kv"][0], kv_of(ref)[0]
     torch.testing.assert_close(k0, rk0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v0, rv0, atol=1e-5, rtol=1e-5)

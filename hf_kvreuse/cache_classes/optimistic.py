@@ -7,8 +7,10 @@ algorithm of METHODS.md §2.1, whose details are our reading of the abstract). A
    matching non-prefix spans, from one donor or several (:mod:`hf_kvreuse.alignment`).
 2. Optimistic cache: matched spans copied from the donor cache and RoPE-re-positioned to their target
    positions (:mod:`hf_kvreuse.rope`); only the unmatched target tokens are computed, in place, attending
-   causally to the stale cache (:func:`hf_kvreuse.generation.partial.partial_forward`).
-   First token ≈ prefill(unmatched tokens) + one decode step.
+   causally to the stale cache (:func:`hf_kvreuse.generation.partial.partial_forward`). By default
+   (``fuse_first_step``) they are computed in the same forward as the first decode step, with the last prompt
+   token as one more row: first token ≈ one forward over the unmatched tokens (a separate decode step costs a
+   whole pass over the weights: ~0.17 s of ~0.78 s on Qwen2.5-0.5B fp32 on this CPU, README issue 23).
 3. Foreground decoding starts at once from that cache, while the exact prefill of the prompt runs in the
    background (:class:`hf_kvreuse.generation.background.BackgroundPrefill`); when a donor is known to be an
    exact cache (``donor_exact``), the exact prefill starts after the common prefix with it.
@@ -63,7 +65,8 @@ class OptimisticStats:
     ttft_s : float or None
         ``generate`` entry to the first token's logits.
     assemble_s : float or None
-        Alignment, re-positioning of the donor rows and prefill of the unmatched rows.
+        Alignment, re-positioning of the donor rows and prefill of the unmatched rows (with ``fuse_first_step``
+        the unmatched rows are computed in the first token's forward instead, and are not counted here).
     swap_step : int or None
         Tokens generated before the exact cache took over (0: before the first token; None: never swapped).
     optimistic_tokens : int
@@ -110,6 +113,9 @@ class OptimisticStats:
         Why that step was gated: ``"margin"`` (below ``gate``) or ``"token"`` (a decisive token was due).
     repaired_tokens : int
         Donor rows recomputed before the first token (``repair="blend"`` / ``"epic"``); counted in ``new_tokens``.
+    fused_first_step : bool
+        The unmatched (and ``repair="epic"``) rows were computed in the first token's forward
+        (``fuse_first_step``), not before it.
     background_start : str or None
         When this call's exact prefill started, ``background_start="auto"`` resolved: ``"immediate"`` or
         ``"after_first_token"`` (None: no background job, ``max_optimistic_tokens=0``).
@@ -123,7 +129,7 @@ class OptimisticStats:
     __repr__ = stats_repr
 
     ttft_s: float | None = None             # generate() entry -> first token's logits
-    assemble_s: float | None = None         # alignment + re-positioning + prefill of unmatched tokens
+    assemble_s: float | None = None         # alignment + re-positioning (+ prefill of unmatched tokens unfused)
     swap_step: int | None = None            # tokens generated before the exact cache took over (None: never)
     optimistic_tokens: int = 0              # tokens emitted from the optimistic cache
     divergent_tokens: int | None = None     # of those, how many exact greedy decoding would not have chosen
@@ -146,6 +152,7 @@ class OptimisticStats:
     gate_reason: str | None = None          # "margin" (below gate) or "token" (a decisive token was due)
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
     background_start: str | None = None     # "immediate" or "after_first_token" ("auto" resolved)
+    fused_first_step: bool = False          # the unmatched rows were computed in the first token's forward
     draft_margins: list[float] = field(default_factory=list, repr=False)  # p1 - p2 at every optimistic step
 
     def as_dict(self) -> dict:
@@ -237,6 +244,13 @@ class OptimisticCache(KVReuseCache):
         first ``repair_tokens`` rows of every reused span, EPIC's LegoLink). None: no repair.
     repair_ratio : float, default=0.15
     repair_tokens : int, default=16
+    fuse_first_step : bool, default=True
+        Compute the unmatched rows (and ``repair="epic"``'s) in the first token's forward, the last prompt token as
+        one more row of the same partial forward (the same causal position mask, so the same K/V and logits up to
+        float rounding), instead of a forward over them followed by a one-token decode step: one pass over the
+        weights less before the first token. Not with ``repair="blend"`` (its selection needs the rows first) nor
+        when ``generate`` returns attentions or hidden states (they would cover the fused rows). False: the two
+        forwards of RebaseKV as published.
     verify_donor : bool, default=True
         Check that each donor was computed by ``model`` (:func:`hf_kvreuse.model_check.check_donor`): a cache this
         model's ``generate`` returned with its present weights is recognised by its tag; any other is probed (its
@@ -252,7 +266,7 @@ class OptimisticCache(KVReuseCache):
                  donor_exact: bool | list = False, verify_donor: bool = True,
                  rebase: Literal["verify", "commit"] = "commit", gate: float | None = None,
                  gate_tokens=None, repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
-                 repair_tokens: int = 16):
+                 repair_tokens: int = 16, fuse_first_step: bool = True):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -298,7 +312,11 @@ class OptimisticCache(KVReuseCache):
             from ..model_check import require
 
             require(model, layers=True, who=f"{type(self).__name__}(repair='blend')")
+        if not isinstance(fuse_first_step, bool):
+            raise TypeError(f"fuse_first_step must be True or False, got {fuse_first_step!r}")
         self.rebase, self.gate = rebase, gate
+        self.fuse_first_step = fuse_first_step
+        self._fused: tuple | None = None  # (full-length K/V, rows) of the first forward, between assembly and it
         self.repair, self.repair_ratio, self.repair_tokens = repair, repair_ratio, repair_tokens
         self.max_optimistic_tokens = max_optimistic_tokens
         self.record_divergence = record_divergence
@@ -335,6 +353,10 @@ class OptimisticCache(KVReuseCache):
         self._replay = None
         self._last_input_ids = None
         self._threads_lowered = False
+        self._fused = None
+        cfg = generate_kwargs.get("generation_config") or model.generation_config
+        self._fuse = self.fuse_first_step and self.repair != "blend" and not any(
+            generate_kwargs.get(k) or getattr(cfg, k, False) for k in ("output_attentions", "output_hidden_states"))
         n = self.input_ids.shape[1]
         on_cuda = self.input_ids.device.type == "cuda"
         synchronous = self.max_optimistic_tokens == 0
@@ -411,6 +433,19 @@ class OptimisticCache(KVReuseCache):
         covered = self.input_ids.shape[1] - 1
         al = self.alignment
         device = donors[0][0][0].device
+        unmatched = al.unmatched().to(device)
+        # rows of an exact donor's common prefix are exact: never "repaired"
+        exact_prefix = al.prefix_len if al.prefix_len and self.donor_exact[al.prefix_donor] else 0
+        rows, repaired = unmatched, 0
+        if self.repair == "epic":
+            heads = [torch.arange(sp.target_start, sp.target_start + min(self.repair_tokens, sp.length))
+                     for sp in al.spans if sp.target_start >= exact_prefix]
+            if heads:
+                rows = torch.unique(torch.cat([unmatched, torch.cat(heads).to(device)]))
+                repaired = int(rows.numel() - unmatched.numel())
+        # fused: one more row, the last prompt token's, which the first forward computes with the rows
+        fuse = self._fuse and self.repair != "blend" and rows.numel() > 0
+        length = covered + 1 if fuse else covered
         # Layer by layer, span by span, straight into uninitialised storage: every row is written before it
         # is read (matched rows here, unmatched ones by partial_forward before their layer attends), so no
         # zero fill, no full-length index_select or rotated temporaries. With release_donor each donor layer
@@ -418,7 +453,7 @@ class OptimisticCache(KVReuseCache):
         kv = []
         for i in range(len(donors[0])):
             like_k, like_v = donors[0][i]
-            dk, dv = alloc_layer(like_k, covered), alloc_layer(like_v, covered)
+            dk, dv = alloc_layer(like_k, length), alloc_layer(like_v, length)
             for sp in al.spans:
                 k, v = donors[sp.donor][i]
                 t, d, n = sp.target_start, sp.donor_start, sp.length
@@ -431,34 +466,46 @@ class OptimisticCache(KVReuseCache):
                     donors[j][i] = None
                     release_layer(cache, i)
         del donors
-        unmatched = al.unmatched().to(device)
         ids = self.input_ids[:, :covered].to(device)
-        # rows of an exact donor's common prefix are exact: never "repaired"
-        exact_prefix = al.prefix_len if al.prefix_len and self.donor_exact[al.prefix_donor] else 0
-        repaired = 0
         if self.repair == "blend":
             from .blend import blend_recompute
 
             rows, picked = blend_recompute(self.model, ids, kv, unmatched, self.repair_ratio, start=exact_prefix)
             repaired = int(picked.numel())
-        else:
-            rows = unmatched
-            if self.repair == "epic":
-                heads = [torch.arange(sp.target_start, sp.target_start + min(self.repair_tokens, sp.length))
-                         for sp in al.spans if sp.target_start >= exact_prefix]
-                if heads:
-                    extra = torch.cat(heads).to(device)
-                    rows = torch.unique(torch.cat([unmatched, extra]))
-                    repaired = int(rows.numel() - unmatched.numel())
-            if rows.numel():
-                partial_forward(self.model, ids, rows, kv)
+        elif fuse:
+            # the first forward (self.forward) computes these rows and the last token's; until then the cache
+            # shows generate the first ``covered`` rows (the unmatched ones not yet written, never read)
+            last = torch.tensor([covered], device=device, dtype=rows.dtype)
+            self._fused = (kv, torch.cat([rows, last]))
+            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in kv]
+        elif rows.numel():
+            partial_forward(self.model, ids, rows, kv)
         load_kv(self, kv)
         self.logical_offset = 0
+        self.stats.fused_first_step = fuse
         self.stats.reused_tokens = al.matched - repaired
         self.stats.prefix_tokens = al.prefix_len
         # + the last prompt token, which generate feeds; repaired rows are computed too (and no longer reused)
         self.stats.new_tokens = int(unmatched.numel()) + repaired + 1
         self.stats.repaired_tokens = repaired
+
+    def forward(self, forward_fn, **kwargs):
+        """The first forward of a fused call (``fuse_first_step``): one partial forward over the unmatched rows and
+        the last prompt token, in place of generate's one-token decode step; every other forward is the model's."""
+        fused = self._fused
+        if fused is None:
+            return forward_fn(**kwargs)
+        self._fused = None
+        kv, rows = fused
+        fed = kwargs.get("input_ids")
+        if fed is None or fed.shape[-1] != 1 or int(fed.reshape(-1)[0]) != int(self.input_ids[0, -1]):
+            raise RuntimeError(f"{type(self).__name__}: the first forward fed {None if fed is None else tuple(fed.shape)}"
+                               " instead of the last prompt token; the fused first step cannot run (pass "
+                               "fuse_first_step=False)")
+        out = partial_forward(self.model, self.input_ids.to(kv[0][0].device), rows, kv)
+        load_kv(self, kv)  # the prompt's rows, the last token's included, as a decode step leaves them
+        out["past_key_values"] = self
+        return out
 
     # -- per step ----------------------------------------------------------------------------------------------
     def before_forward(self, input_ids, next_sequence_length):
@@ -490,6 +537,7 @@ class OptimisticCache(KVReuseCache):
             self._start_background()
         kv = self.job.result()
         self.job._cache = None  # the exact K/V now live in this cache only: freed as decoding moves on
+        self._fused = None      # an exact cache before the first token: no optimistic rows to compute
         self.stats.wait_s += now(self.input_ids.device) - t
         self._restore_threads()
         load_kv(self, kv)
@@ -711,6 +759,7 @@ class OptimisticCache(KVReuseCache):
     @torch.no_grad()
     def finish(self, sequences, error) -> None:
         job = self.job
+        self._fused = None  # a generate that failed before its first forward: do not keep the K/V alive
         try:
             if error is not None or job is None:
                 return
