@@ -137,6 +137,13 @@ def output_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+def set_output_cache(output, cache) -> None:
+    """Put ``cache`` into a model output under the field this release names it (``cache`` on 5.2x, where writing
+    ``past_key_values`` warns, ``past_key_values`` before)."""
+    fields = getattr(output, "__dataclass_fields__", {})
+    output["cache" if "cache" in fields else "past_key_values"] = cache
+
+
 def register_attention_wrapper(name: str, base_name: str, wrap) -> str:
     """Register (once) ``wrap(base_fn)`` as transformers attention implementation ``name``, where ``base_fn`` is the
     attention function of ``base_name`` ("sdpa" or "eager"), with ``base_name``'s mask builder; return ``name``.

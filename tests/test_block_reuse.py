@@ -92,6 +92,42 @@ def test_zero_recompute_equals_direct_reuse(arch_model, method):
     assert cache.stats.reused_tokens == direct.stats.reused_tokens == sum(e - s for s, e in spans)
 
 
+@pytest.mark.parametrize("method", ["direct", "tail", "epic", "blend", "offset"])
+def test_fused_first_step_equals_two_forwards(arch_model, method):
+    """``fuse_first_step`` (the default) for the methods whose recompute is one forward over their rows (direct,
+    Tail-k, EPIC): the first logits, tokens and K/V equal the two-forward path's (``fuse_first_step=False``), which
+    is not full prefill here (blocks computed standalone, so a wrong row or position shows). Blend and offset
+    compute their rows their own way and never fuse.
+
+    Planted bugs that fail it: ``PendingRows`` appends the row ``n - 2`` instead of the last prompt token's
+    ``n - 1``; ``BlockReuseCache.prepare`` fuses ``rows_to_compute`` without ``extra_rows`` (``fresh`` only), so EPIC
+    and Tail-k lose their repaired rows."""
+    ids, _, spans = rag_prompt(7)
+    cls, kw = (OffsetCache, {"block_prefix_ids": "own"}) if method == "offset" else (METHODS[method][0], {})
+    if method in ("tail", "epic"):
+        kw = {"recompute_tokens": 3}
+    if method == "blend":
+        kw = {"recompute_ratio": 0.3}
+    runs = {}
+    for fuse in (True, False):
+        extra = {} if method in ("blend", "offset") else {"fuse_first_step": fuse}
+        cache = cls(arch_model, ids, spans, store=ChunkStore(), **kw, **extra)
+        out = arch_model.generate(ids, cache=cache, return_dict_in_generate=True, output_logits=True, **GEN)
+        runs[fuse] = cache, out
+    (fc, fo), (uc, uo) = runs[True], runs[False]
+    fusing = method in ("direct", "tail", "epic")
+    assert fc.stats.fused_first_step == fusing and not uc.stats.fused_first_step
+    assert fc.stats.recomputed_tokens == uc.stats.recomputed_tokens
+    torch.testing.assert_close(torch.stack(fo.logits), torch.stack(uo.logits), atol=1e-4, rtol=1e-4)
+    assert torch.equal(fo.sequences, uo.sequences)
+    for (k, v), (rk, rv) in zip(kv_of(fc), kv_of(uc)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    if fusing:
+        _, full_logits = exact_prefill(arch_model, ids)
+        assert not torch.allclose(fo.logits[0][0], full_logits[0, -1], atol=1e-3)
+
+
 def test_direct_reuse_is_not_exact_but_blend_repairs(llama):
     """Standalone blocks change the output; the reused rows' K/V above layer 0 differ from full prefill.
 

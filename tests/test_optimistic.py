@@ -329,16 +329,21 @@ def test_plain_generate_unaffected(llama):
     assert torch.equal(llama.generate(ids, **GEN), plain.generate(ids, **GEN))
 
 
-def test_failure_during_assembly_leaves_no_worker(llama, monkeypatch, slow_background):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_failure_during_assembly_leaves_no_worker(llama, monkeypatch, slow_background, fuse):
+    """The unmatched rows' forward fails (in the assembly; with ``fuse_first_step`` in the first forward of
+    generate) while the background prefill runs: the error reaches the caller and no worker outlives generate."""
     import hf_kvreuse.cache_classes.optimistic as opt
+    import hf_kvreuse.generation.fused as fused
 
     def broken(*args, **kwargs):
         raise RuntimeError("assembly failed")
 
     monkeypatch.setattr(opt, "partial_forward", broken)
+    monkeypatch.setattr(fused, "partial_forward", broken)
     ids_a, ids_b = agent_prompts(12)
     donor = _donor(llama, ids_a)
-    cache = _cache(llama, ids_b, donor, background_start="immediate")
+    cache = _cache(llama, ids_b, donor, background_start="immediate", fuse_first_step=fuse)
     with pytest.raises(RuntimeError, match="assembly failed"):
         llama.generate(ids_b, cache=cache, **GEN)
     assert _no_worker_alive()

@@ -369,6 +369,7 @@ def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(
     ``partial_forward`` is the original again afterwards. Planted bug that fails it: the timing wrapper left
     installed (no ``finally``)."""
     import hf_kvreuse.cache_classes.optimistic as optimistic
+    import hf_kvreuse.generation.fused as fused
 
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -378,7 +379,7 @@ def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(
     original = optimistic.partial_forward
     out = tmp_path / "p.json"
     assembly_profile.main(["--model", "tiny", "--reps", "2", "--out", str(out)])
-    assert optimistic.partial_forward is original
+    assert optimistic.partial_forward is original and fused.partial_forward is original
     r = json.loads(out.read_text())
     assert set(r["forward_over_prefix_s"]) == {"1", "25", "66"}
     assert {m: len(c) for m, c in r["calls"].items()} == {"two_forwards": 2, "fused": 2}

@@ -145,6 +145,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
     # -- after the first generate: an ordinary DynamicCache that continues the conversation -------------------
     def end_generate(self, sequences: torch.Tensor | None, error: BaseException | None) -> None:
         """Called by the mixin after :meth:`finish`: record which tokens the cache now holds."""
+        self._pending = None  # a generate that ended before its first forward: do not keep the storage alive
         if error is not None or sequences is None:
             self.phase = "failed" if self.phase == "active" else self.phase
             return
@@ -293,9 +294,17 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         """
         return next_sequence_length, {}
 
+    #: rows left for the first forward of generate (:mod:`hf_kvreuse.generation.fused`), set by ``prepare``
+    _pending = None
+
     def forward(self, forward_fn, **kwargs):
-        """Runs every model forward that carries this cache (``forward_fn`` is the model's own forward)."""
-        return forward_fn(**kwargs)
+        """Runs every model forward that carries this cache (``forward_fn`` is the model's own forward); the first
+        one runs the pending rows of a fused first step with the last prompt token instead."""
+        pending = self._pending
+        if pending is None:
+            return forward_fn(**kwargs)
+        self._pending = None
+        return pending.run(self.model, self, kwargs.get("input_ids"))
 
     def after_forward(self, outputs) -> None:
         """Called after every forward of ``generate`` with the model outputs."""

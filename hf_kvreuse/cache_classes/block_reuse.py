@@ -18,6 +18,7 @@ import torch
 
 from ..chunk_store import ChunkStore, KVChunk, model_fingerprint
 from ..devices import layer_devices
+from ..generation.fused import PendingRows, returns_internals
 from ..generation.partial import partial_forward
 from ..kv import KV, alloc_layer, copy_shifted_, load_kv
 from ..reprs import stats_repr
@@ -44,7 +45,10 @@ class BlockReuseStats:
     store_hits, store_misses : int
         Chunk-store lookups of this call that found / did not find the block (a miss computes it).
     assemble_s : float or None
-        Block lookup, re-positioning and recompute, before the first decoding forward (seconds).
+        Block lookup, re-positioning and recompute, before the first decoding forward (seconds); with a fused first
+        step the recompute is in that forward, not here.
+    fused_first_step : bool
+        The rows were computed in the first token's forward (``fuse_first_step``).
     kernels : str
         Backend of the hot paths: ``"torch"`` or ``"triton"`` (``HF_KVREUSE_KERNELS``).
     """
@@ -57,6 +61,7 @@ class BlockReuseStats:
     store_hits: int = 0
     store_misses: int = 0
     assemble_s: float | None = None
+    fused_first_step: bool = False         # the rows were computed in the first token's forward
     kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
 
     def as_dict(self) -> dict:
@@ -102,10 +107,16 @@ class BlockReuseCache(KVReuseCache):
         are precomputed), the same ids for every block, one prefix per block (in prompt order), or ``"own"``:
         each block under its actual prefix in this prompt, which makes the reused K/V exact (the
         self-control gate of METHODS.md §1.4).
+    fuse_first_step : bool, default=True
+        Methods that recompute rows with one forward over them (direct reuse, EPIC, Tail-k): compute the rows in
+        the first token's forward, the last prompt token as one more row of the same partial forward
+        (:mod:`hf_kvreuse.generation.fused`: the same K/V and logits up to float rounding, one pass over the weights
+        less). Not when ``generate`` returns attentions or hidden states. False: a forward over the rows, then
+        ``generate``'s one-token step.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, blocks, store: ChunkStore | None = None,
-                 block_prefix_ids: torch.Tensor | None = None):
+                 block_prefix_ids: torch.Tensor | None = None, *, fuse_first_step: bool = True):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -130,6 +141,9 @@ class BlockReuseCache(KVReuseCache):
         self.blocks = [(s, e) for s, e in spans if e > s]
         self.store = store if store is not None else ChunkStore()
         self.block_prefix_ids = block_prefix_ids
+        if not isinstance(fuse_first_step, bool):
+            raise TypeError(f"fuse_first_step must be True or False, got {fuse_first_step!r}")
+        self.fuse_first_step = fuse_first_step
         self.stats = BlockReuseStats(blocks=len(self.blocks))
 
     # -- the two steps a method may change ---------------------------------------------------------------
@@ -137,9 +151,13 @@ class BlockReuseCache(KVReuseCache):
         """Reused rows to recompute as well (default: none, i.e. direct reuse)."""
         return torch.zeros(0, dtype=torch.long)
 
+    def rows_to_compute(self, fresh: torch.Tensor) -> torch.Tensor:
+        """Rows ``fresh`` and the method's repaired rows (:meth:`extra_rows`), increasing."""
+        return torch.unique(torch.cat([fresh, self.extra_rows().to(fresh.device)]))
+
     def recompute(self, kv: KV, fresh: torch.Tensor) -> torch.Tensor:
         """Compute rows ``fresh`` (and the method's repaired rows) into ``kv``; return all recomputed rows."""
-        rows = torch.unique(torch.cat([fresh, self.extra_rows().to(fresh.device)]))
+        rows = self.rows_to_compute(fresh)
         if rows.numel():
             partial_forward(self.model, self.input_ids[:, : kv[0][0].shape[-2]], rows, kv)
         return rows
@@ -173,20 +191,40 @@ class BlockReuseCache(KVReuseCache):
         self.stats.store_misses += self.store.misses - before[1]
         return chunk
 
+    def fuses(self, model, generate_kwargs: dict) -> bool:
+        """Does this call compute its rows in the first token's forward? (Only methods whose :meth:`recompute` is
+        the one forward over :meth:`rows_to_compute` of this class: a method that overrides it computes its own
+        way.)"""
+        return (self.fuse_first_step and type(self).recompute is BlockReuseCache.recompute
+                and not returns_internals(model, generate_kwargs))
+
     def prepare(self, model, input_ids, generate_kwargs) -> None:
         self.begin_generate(model, input_ids, generate_kwargs)
         t0 = now(self.input_ids.device)
+        self._pending = None
+        fuse = self.fuses(model, generate_kwargs)
+        covered = self.input_ids.shape[1] - 1
         with torch.no_grad():
-            kv = self.assemble_blocks()
-            covered = kv[0][0].shape[-2]
-            rows = self.recompute(kv, self.fresh_rows(covered).to(kv[0][0].device))
+            # fused: storage for the last prompt token's row too, written by the first forward
+            kv = self.assemble_blocks(extra_rows=1 if fuse else 0)
+            fresh = self.fresh_rows(covered).to(kv[0][0].device)
+            if fuse:
+                rows = self.rows_to_compute(fresh)
+                pending = PendingRows(kv, rows, self.input_ids)
+                kv = pending.visible()
+                fuse = bool(rows.numel())  # nothing to compute: generate's own one-token step
+                self._pending = pending if fuse else None
+            else:
+                rows = self.recompute(kv, fresh)
+        self.stats.fused_first_step = fuse
         load_kv(self, kv)
         self.stats.recomputed_tokens = int(rows.numel())
         self.stats.reused_tokens = covered - self.stats.recomputed_tokens
         self.stats.assemble_s = now(self.input_ids.device) - t0
 
-    def assemble_blocks(self) -> KV:
-        """Full-length K/V of the covered prompt with every block placed (other rows zero).
+    def assemble_blocks(self, extra_rows: int = 0) -> KV:
+        """Full-length K/V of the covered prompt with every block placed (other rows zero), and ``extra_rows``
+        uninitialised rows after it (storage for rows a fused first step computes).
 
         Layer by layer, straight into each layer's storage (the RoPE re-positioning runs in place, in chunks of
         tokens): no full-size rotated temporaries. Only the rows outside blocks are zeroed (a recompute may run
@@ -200,7 +238,7 @@ class BlockReuseCache(KVReuseCache):
         if not self.blocks:  # no blocks: plain prefill of everything
             p = next(self.model.parameters())
             mc = self.model_check  # K/V geometry as the model's own cache stores it
-            shape = (1, mc.kv_heads, covered, mc.head_dim)
+            shape = (1, mc.kv_heads, covered + extra_rows, mc.head_dim)
             return [(torch.zeros(shape, dtype=p.dtype, device=d), torch.zeros(shape, dtype=p.dtype, device=d))
                     for d in layer_devices(self.model)]
         gaps, prev = [], 0
@@ -213,7 +251,8 @@ class BlockReuseCache(KVReuseCache):
         first = self.chunks[self.blocks[0]].kv
         kv = []
         for layer in range(len(first)):
-            dk, dv = alloc_layer(first[layer][0], covered), alloc_layer(first[layer][1], covered)
+            dk = alloc_layer(first[layer][0], covered + extra_rows)
+            dv = alloc_layer(first[layer][1], covered + extra_rows)
             for a, b in gaps:
                 dk[..., a:b, :].zero_()
                 dv[..., a:b, :].zero_()
@@ -231,11 +270,12 @@ class EdgeRecomputeCache(BlockReuseCache):
 
     edge: str = "head"
 
-    def __init__(self, model, input_ids, blocks, store=None, block_prefix_ids=None, recompute_tokens: int = 16):
+    def __init__(self, model, input_ids, blocks, store=None, block_prefix_ids=None, recompute_tokens: int = 16, *,
+                 fuse_first_step: bool = True):
         if recompute_tokens < 0:
             raise ValueError("recompute_tokens must be >= 0")
         self.recompute_tokens = recompute_tokens
-        super().__init__(model, input_ids, blocks, store, block_prefix_ids)
+        super().__init__(model, input_ids, blocks, store, block_prefix_ids, fuse_first_step=fuse_first_step)
 
     def extra_rows(self) -> torch.Tensor:
         rows = []

@@ -47,6 +47,7 @@ from ..alignment import Alignment, align_multi
 from ..compat import cache_kwargs
 from ..devices import offloaded
 from ..generation.background import BackgroundPrefill, ThreadBudget
+from ..generation.fused import PendingRows, returns_internals
 from ..generation.partial import partial_forward
 from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
@@ -316,7 +317,6 @@ class OptimisticCache(KVReuseCache):
             raise TypeError(f"fuse_first_step must be True or False, got {fuse_first_step!r}")
         self.rebase, self.gate = rebase, gate
         self.fuse_first_step = fuse_first_step
-        self._fused: tuple | None = None  # (full-length K/V, rows) of the first forward, between assembly and it
         self.repair, self.repair_ratio, self.repair_tokens = repair, repair_ratio, repair_tokens
         self.max_optimistic_tokens = max_optimistic_tokens
         self.record_divergence = record_divergence
@@ -353,10 +353,8 @@ class OptimisticCache(KVReuseCache):
         self._replay = None
         self._last_input_ids = None
         self._threads_lowered = False
-        self._fused = None
-        cfg = generate_kwargs.get("generation_config") or model.generation_config
-        self._fuse = self.fuse_first_step and self.repair != "blend" and not any(
-            generate_kwargs.get(k) or getattr(cfg, k, False) for k in ("output_attentions", "output_hidden_states"))
+        self._pending = None
+        self._fuse = self.fuse_first_step and self.repair != "blend" and not returns_internals(model, generate_kwargs)
         n = self.input_ids.shape[1]
         on_cuda = self.input_ids.device.type == "cuda"
         synchronous = self.max_optimistic_tokens == 0
@@ -472,12 +470,9 @@ class OptimisticCache(KVReuseCache):
 
             rows, picked = blend_recompute(self.model, ids, kv, unmatched, self.repair_ratio, start=exact_prefix)
             repaired = int(picked.numel())
-        elif fuse:
-            # the first forward (self.forward) computes these rows and the last token's; until then the cache
-            # shows generate the first ``covered`` rows (the unmatched ones not yet written, never read)
-            last = torch.tensor([covered], device=device, dtype=rows.dtype)
-            self._fused = (kv, torch.cat([rows, last]))
-            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in kv]
+        elif fuse:  # the first forward computes these rows with the last token's (generation.fused)
+            self._pending = PendingRows(kv, rows, self.input_ids)
+            kv = self._pending.visible()
         elif rows.numel():
             partial_forward(self.model, ids, rows, kv)
         load_kv(self, kv)
@@ -488,24 +483,6 @@ class OptimisticCache(KVReuseCache):
         # + the last prompt token, which generate feeds; repaired rows are computed too (and no longer reused)
         self.stats.new_tokens = int(unmatched.numel()) + repaired + 1
         self.stats.repaired_tokens = repaired
-
-    def forward(self, forward_fn, **kwargs):
-        """The first forward of a fused call (``fuse_first_step``): one partial forward over the unmatched rows and
-        the last prompt token, in place of generate's one-token decode step; every other forward is the model's."""
-        fused = self._fused
-        if fused is None:
-            return forward_fn(**kwargs)
-        self._fused = None
-        kv, rows = fused
-        fed = kwargs.get("input_ids")
-        if fed is None or fed.shape[-1] != 1 or int(fed.reshape(-1)[0]) != int(self.input_ids[0, -1]):
-            raise RuntimeError(f"{type(self).__name__}: the first forward fed {None if fed is None else tuple(fed.shape)}"
-                               " instead of the last prompt token; the fused first step cannot run (pass "
-                               "fuse_first_step=False)")
-        out = partial_forward(self.model, self.input_ids.to(kv[0][0].device), rows, kv)
-        load_kv(self, kv)  # the prompt's rows, the last token's included, as a decode step leaves them
-        out["past_key_values"] = self
-        return out
 
     # -- per step ----------------------------------------------------------------------------------------------
     def before_forward(self, input_ids, next_sequence_length):
@@ -537,7 +514,7 @@ class OptimisticCache(KVReuseCache):
             self._start_background()
         kv = self.job.result()
         self.job._cache = None  # the exact K/V now live in this cache only: freed as decoding moves on
-        self._fused = None      # an exact cache before the first token: no optimistic rows to compute
+        self._pending = None    # an exact cache before the first token: no optimistic rows to compute
         self.stats.wait_s += now(self.input_ids.device) - t
         self._restore_threads()
         load_kv(self, kv)
@@ -759,7 +736,6 @@ class OptimisticCache(KVReuseCache):
     @torch.no_grad()
     def finish(self, sequences, error) -> None:
         job = self.job
-        self._fused = None  # a generate that failed before its first forward: do not keep the K/V alive
         try:
             if error is not None or job is None:
                 return
