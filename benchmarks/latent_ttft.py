@@ -81,6 +81,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(HERE / "results" / "latent_ttft_qwen2.5-0.5b.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    from hf_kvreuse.cli import _git_commit
+
     model, tok = load_offline(a.model, dtype=getattr(torch, a.dtype))
     enable(model)
     bridge = LatentBridge.from_pretrained(model, a.bridge)
@@ -89,7 +91,7 @@ def main(argv=None) -> None:
     res["meta"] = {"command": "python benchmarks/latent_ttft.py " + " ".join(sys.argv[1:] if argv is None else argv),
                    "args": vars(a), "bridge": {"n_latent": bridge.n_latent, "layers": list(bridge.layers),
                                                "read": bridge.read, **bridge.info},
-                   "date": time.strftime("%F %T")}
+                   "date": time.strftime("%F %T"), "git_commit": _git_commit()}
     res.setdefault("sizes", {})
     for n in a.sizes:
         if str(n) in res["sizes"]:

@@ -13,7 +13,12 @@ per question), the fraction of prompt tokens recomputed, agreement with full pre
 first token), task accuracy (gold answer contained in the answer), and the peak memory growth of each
 ``generate`` beside full prefill's (hf_kvreuse.timing.PeakMemory). Writes JSON and a PNG plot.
 
-    python benchmarks/reuse_baselines.py [--contexts 1024 2048] [--questions 8]
+    python benchmarks/reuse_baselines.py [--contexts 1024 2048] [--questions 8] [--two-forwards]
+
+``--two-forwards`` adds ``direct-2fwd``, ``tail-16-2fwd`` and ``epic-16-2fwd``: the same caches with
+``fuse_first_step=False`` (a forward over the rows to compute, then ``generate``'s one-token step; the default fuses
+the two, :mod:`hf_kvreuse.generation.fused`), run right after their fused twin on the same prompt; the JSON's
+``fused_over_two_forwards`` holds the median per-question TTFT ratio of each pair.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import transformers
 import hf_kvreuse
 from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, EPICCache, OffsetCache, TailRecomputeCache
 from hf_kvreuse.alignment import segment_prompt
+from hf_kvreuse.cli import _git_commit
 from hf_kvreuse.models import load_smollm2
 from hf_kvreuse.timing import PeakMemory, TokenTimer
 from hf_kvreuse.workflows.datasets import contains_answer, passages_for, squad
@@ -48,6 +54,15 @@ METHODS = {
     "blend-0.15": lambda m, ids, blocks, store, sys_ids: BlendCache(m, ids, blocks, store=store),
     "offset": lambda m, ids, blocks, store, sys_ids: OffsetCache(m, ids, blocks, store=store,
                                                                  block_prefix_ids=anchor_prefixes(ids, blocks, sys_ids)),
+}
+#: the fusing methods with two forwards before the first token (``--two-forwards``)
+TWO_FORWARDS = {
+    "direct-2fwd": lambda m, ids, blocks, store, sys_ids: DirectReuseCache(m, ids, blocks, store=store,
+                                                                           fuse_first_step=False),
+    "tail-16-2fwd": lambda m, ids, blocks, store, sys_ids: TailRecomputeCache(m, ids, blocks, store=store,
+                                                                              fuse_first_step=False),
+    "epic-16-2fwd": lambda m, ids, blocks, store, sys_ids: EPICCache(m, ids, blocks, store=store,
+                                                                     fuse_first_step=False),
 }
 
 
@@ -81,7 +96,16 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", type=Path, default=HERE / "results" / "reuse_baselines.json")
+    ap.add_argument("--two-forwards", action="store_true",
+                    help="also run direct, tail-16 and epic-16 with fuse_first_step=False, each after its fused twin")
     args = ap.parse_args()
+    methods = dict(METHODS)
+    if args.two_forwards:
+        methods = {}
+        for name, make in METHODS.items():
+            methods[name] = make
+            if name + "-2fwd" in TWO_FORWARDS:
+                methods[name + "-2fwd"] = TWO_FORWARDS[name + "-2fwd"]
     torch.set_num_threads(args.threads)
     model, tok = load_smollm2()
     model = hf_kvreuse.enable(model)
@@ -89,7 +113,7 @@ def main():
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     model.generate(tok("warm up", return_tensors="pt")["input_ids"], max_new_tokens=2)
 
-    rows = []
+    rows, all_samples = [], []
     for ctx in args.contexts:
         samples = []
         for q in range(args.questions):
@@ -109,7 +133,7 @@ def main():
                        full_mem_mib=mem.peak_mib,
                        full_correct=contains_answer(full_text, item.answers))
             line = f"ctx {ctx} q {q} N={n} chunks={len(spans)} full {timer.ttft_s:.3f}s {mem.peak_mib:.0f} MiB"
-            for name, make in METHODS.items():
+            for name, make in methods.items():
                 cache = make(model, ids, spans, store, sys_ids)
                 with PeakMemory(ids.device, interval_s=0.004) as mem:
                     t = TokenTimer().start()
@@ -122,7 +146,8 @@ def main():
                 line += f" | {name} {t.ttft_s:.3f}s {mem.peak_mib:.0f} MiB same={res[name]['identical']}"
             print(line, flush=True)
             samples.append(res)
-        for name in METHODS:
+            all_samples.append(dict(res, context_tokens=ctx))
+        for name in methods:
             rs = [s[name] for s in samples]
             rows.append(dict(context_tokens=ctx, method=name, n=len(samples),
                              prompt_tokens=statistics.median(s["prompt_tokens"] for s in samples),
@@ -142,9 +167,17 @@ def main():
                                                          for s in samples)))
     meta = dict(command=" ".join(["python"] + sys.argv), date=time.strftime("%Y-%m-%d %H:%M"),
                 torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
-                max_new_tokens=args.max_new_tokens)
+                max_new_tokens=args.max_new_tokens, git_commit=_git_commit())
+    result = dict(meta=meta, rows=rows, samples=all_samples)  # every context length (with its context_tokens)
+    if args.two_forwards:  # per (context, method): median over questions of fused TTFT / two-forward TTFT
+        result["fused_over_two_forwards"] = {
+            f"{ctx}/{name}": statistics.median(s[name]["ttft"] / s[name + "-2fwd"]["ttft"]
+                                               for s in all_samples if s["context_tokens"] == ctx)
+            for ctx in args.contexts for name in METHODS if name + "-2fwd" in TWO_FORWARDS}
+        for k, v in result["fused_over_two_forwards"].items():
+            print(f"fused / two forwards, median TTFT per question, {k}: {v:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows, samples=samples), indent=1))
+    args.out.write_text(json.dumps(result, indent=1))
     columns = [("ctx", lambda r: str(r["context_tokens"])), ("method", lambda r: r["method"]),
                ("prompt", lambda r: f"{r['prompt_tokens']:.0f}"), ("chunks", lambda r: f"{r['chunks']:.0f}"),
                ("TTFT full", lambda r: f"{r['full_ttft_s']:.3f} s"), ("TTFT", lambda r: f"{r['ttft_s']:.3f} s"),
@@ -157,18 +190,17 @@ def main():
                ("mem", lambda r: f"{r['mem_mib']:.0f} MiB" if "mem_mib" in r else "-"),
                ("mem ratio", lambda r: f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-")]
     print("\n" + markdown_table(rows, columns))
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.out.with_suffix(".png"), list(methods))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def plot(rows, path):
+def plot(rows, path, names):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ctxs = sorted({r["context_tokens"] for r in rows})
-    names = list(METHODS)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(ctxs)
     for i, c in enumerate(ctxs):

@@ -45,7 +45,7 @@ from transformers import DynamicCache
 import hf_kvreuse
 from hf_kvreuse import (FirstLayerDeviationScorer, KVMapper, OracleScorer, RandomScorer, RankDisagreementScorer, TranslatedCache,
                         enable)
-from hf_kvreuse.compat import cache_kwargs
+from hf_kvreuse.compat import cache_kwargs, output_cache
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.models import load_qwen
 from hf_kvreuse.translation.pairs import qwen_pair_mapper
@@ -222,7 +222,7 @@ def main(argv=None) -> None:
         n = ids.shape[1] - 1
         full_out = tgt.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False, return_dict_in_generate=True)
         full_ans = tok.decode(full_out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip().split("\n")[0]
-        true_kv = [(k[..., :n, :].clone(), v[..., :n, :].clone()) for k, v in kv_of(full_out.past_key_values)]
+        true_kv = [(k[..., :n, :].clone(), v[..., :n, :].clone()) for k, v in kv_of(output_cache(full_out))]
         src_ans, _ = answer(tok, src, ids, a.max_new_tokens)
         sc = DynamicCache(config=src.config)
         with torch.no_grad():

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     import hf_kvreuse.generation.fused as fused
     from hf_kvreuse import OptimisticCache
     from hf_kvreuse.cli import _git_commit
-    from hf_kvreuse.compat import cache_kwargs
+    from hf_kvreuse.compat import cache_kwargs, output_cache
     from hf_kvreuse.models import load_qwen, tiny_model
 
     model = load_qwen("0.5b", dtype=torch.float32)[0] if a.model == "qwen2.5-0.5b" else tiny_model("qwen2")
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     target = torch.cat([base, torch.randint(3, hi, (1, 15), generator=g), donor_ids[:, 1090:],
                         torch.randint(3, hi, (1, 10), generator=g)], 1)
     with torch.no_grad():
-        donor = model(donor_ids, use_cache=True).past_key_values
-        prefix_cache = model(base, use_cache=True).past_key_values
+        donor = output_cache(model(donor_ids, use_cache=True))
+        prefix_cache = output_cache(model(base, use_cache=True))
     spent = []
     original = optimistic.partial_forward
     assert fused.partial_forward is original  # the two-forward path's and the fused path's forward, timed alike

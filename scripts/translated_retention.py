@@ -82,11 +82,11 @@ def prepare(a) -> None:
             for h in hooks:
                 h.remove()
         true_kv = [(k.clone(), v.clone()) for k, v in kv_of(tc)]
-        full = _answer(tok, tgt.generate(ids, past_key_values=tc, max_new_tokens=a.max_new_tokens, do_sample=False), ids.shape[1])
+        full = _answer(tok, tgt.generate(ids, **cache_kwargs(tc), max_new_tokens=a.max_new_tokens, do_sample=False), ids.shape[1])
         sc = DynamicCache(config=src.config)
         hidden = run_source(src, ids[:, :n], sc, range(src.config.num_hidden_layers + 1))
         src_kv = [(k.clone(), v.clone()) for k, v in kv_of(sc)]
-        source = _answer(tok, src.generate(ids, past_key_values=sc, max_new_tokens=a.max_new_tokens, do_sample=False), ids.shape[1])
+        source = _answer(tok, src.generate(ids, **cache_kwargs(sc), max_new_tokens=a.max_new_tokens, do_sample=False), ids.shape[1])
         tensors = {"ids": ids[0], "tgt_k": torch.stack([k[0] for k, _ in true_kv]),
                    "tgt_v": torch.stack([v[0] for _, v in true_kv]), "src_k": torch.stack([k[0] for k, _ in src_kv]),
                    "src_v": torch.stack([v[0] for _, v in src_kv]),

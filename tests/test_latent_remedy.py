@@ -591,3 +591,42 @@ def test_lora_bridge_trains():
     finally:
         for p in m.parameters():
             p.requires_grad_(True)
+
+
+@needs_offset
+@pytest.mark.parametrize("n, tail, lora", [(0, 0, 0), (3, 2, 4)])
+def test_fused_first_step_equals_two_forwards(model, n, tail, lora):
+    """``fuse_first_step`` (the default): the pass over the latents, the block tails and the question takes the last
+    prompt token as one more row and runs as the first forward of generate, through the model's own forward
+    (``inputs_embeds``, the LoRA on the latent rows). Its logits, tokens and the returned K/V (latents dropped)
+    equal the two-forward path's (``fuse_first_step=False``), and a continuation too.
+
+    Planted bugs that fail it: the fused pass runs without the bridge's LoRA context (``lora_active`` skipped when
+    ``logits=True``) [n=3]; the fused pass leaves ``_latents_at`` unset, so the latents are not dropped after
+    generate [n=3]; the fused pass drops the question's first row (``torch.cat([post, last])[1:]``) [6 of 7]. Not
+    caught, and harmless on transformers 5.24: ``logical_offset`` left at 0 after the fused pass (decode positions
+    come from ``before_forward``'s physical positions, and ``end_generate`` resets the offset)."""
+    pa, pb, blk, q = _parts(4)
+    ids = torch.cat([pb, blk, q], 1)
+    torch.manual_seed(3)
+    bridge = LatentBridge(model, n_latent=n, hidden=32, lora_rank=lora)
+    with torch.no_grad():
+        for p in bridge.parameters():
+            p.normal_(0, 0.3)
+    runs = {}
+    for fuse in (True, False):
+        cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0], tail_tokens=tail,
+                                  fuse_first_step=fuse)
+        out = _gen(model, ids, cache, new=5)
+        runs[fuse] = cache, out
+    (fc, fo), (uc, uo) = runs[True], runs[False]
+    assert fc.stats.fused_first_step and not uc.stats.fused_first_step
+    assert fc.stats.recomputed_tokens == uc.stats.recomputed_tokens
+    torch.testing.assert_close(torch.stack(fo.logits), torch.stack(uo.logits), atol=1e-4, rtol=1e-4)
+    assert torch.equal(fo.sequences, uo.sequences)
+    for (k, v), (rk, rv) in zip(kv_of(fc), kv_of(uc)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    turn2 = torch.cat([fo.sequences, q], 1)
+    torch.testing.assert_close(torch.stack(_gen(model, turn2, fc, new=2).logits),
+                               torch.stack(_gen(model, turn2, uc, new=2).logits), atol=1e-4, rtol=1e-4)

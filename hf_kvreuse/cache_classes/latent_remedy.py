@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..generation.fused import PendingForward, returns_internals
 from ..generation.partial import partial_forward
 from ..kv import KV, load_kv
 from ..timing import now
@@ -69,12 +70,17 @@ class LatentRemedyCache(BlockReuseCache):
     tail_tokens : int, optional
         Latents plus Tail-k: the last ``k`` rows of every reused block are recomputed too, in the same pass as the
         latents and the question. Default: the value the bridge was trained with (``bridge.tail_tokens``).
+    fuse_first_step : bool, default=True
+        The pass over the latents and the rows after them includes the last prompt token and runs as the first
+        forward of ``generate`` (:mod:`hf_kvreuse.generation.fused`): one pass over the weights less before the
+        first token, the same K/V and logits up to float rounding. Not when ``generate`` returns attentions or
+        hidden states. False: that pass in the assembly, then ``generate``'s one-token step.
     """
 
     requires = {"rope": True, "engine": True, "layers": True}
 
     def __init__(self, model, input_ids, blocks, bridge=None, store=None, block_prefix_ids=None,
-                 tail_tokens: int | None = None):
+                 tail_tokens: int | None = None, *, fuse_first_step: bool = True):
         from ..compat import HAS_QUERY_OFFSET, TRANSFORMERS_VERSION
         from ..latent.bridge import LatentBridge
 
@@ -93,7 +99,7 @@ class LatentRemedyCache(BlockReuseCache):
         tail_tokens = bridge.tail_tokens if tail_tokens is None else int(tail_tokens)
         if tail_tokens < 0:
             raise ValueError("tail_tokens must be >= 0")
-        super().__init__(model, input_ids, blocks, store, block_prefix_ids)
+        super().__init__(model, input_ids, blocks, store, block_prefix_ids, fuse_first_step=fuse_first_step)
         if not self.blocks:
             raise ValueError("LatentRemedyCache needs at least one reused block")
         self.lead: tuple[int, int] | None = None
@@ -118,9 +124,12 @@ class LatentRemedyCache(BlockReuseCache):
         self.begin_generate(model, input_ids, generate_kwargs)
         device = self.input_ids.device
         t0 = now(device)
+        self._pending = None
+        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
+        covered = self.input_ids.shape[1] - 1
         with torch.no_grad():
-            kv = self.assemble_blocks()
-            covered = kv[0][0].shape[-2]
+            storage = self.assemble_blocks(extra_rows=1 if fuse else 0)  # fused: the last token's row too
+            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in storage] if fuse else storage
             fresh = self.fresh_rows(covered)
             e = self.blocks[-1][1]
             tails = self.tail_rows().to(fresh.device)
@@ -131,16 +140,32 @@ class LatentRemedyCache(BlockReuseCache):
                 feats = self.prefix_features(ids, pre, kv)
             elif pre.numel():
                 partial_forward(self.model, ids, pre, kv)
-            t1 = now(device)
-            kv = self.insert_latents(kv, ids, e, feats, post, tails.to(device))
-            t2 = now(device)
-        load_kv(self, kv)
-        self.logical_offset = -self.n_latent
-        self._latents_at = e
         st = self.stats
         st.recomputed_tokens = int(fresh.numel() + tails.numel()) + getattr(self, "_lead_rows_computed", 0)
         st.reused_tokens = covered - st.recomputed_tokens
-        st.bridge_s = t2 - t1
+        st.fused_first_step = fuse
+        last = torch.tensor([covered], device=device, dtype=post.dtype)
+
+        def latents_pass(first_token: bool):
+            t1 = now(device)
+            with torch.no_grad():
+                if first_token:  # the last prompt token is one more row after the question's: its logits
+                    kv2, out = self.insert_latents(storage, self.input_ids, e, feats, torch.cat([post, last]),
+                                                   tails.to(device), logits=True)
+                else:
+                    kv2, out = self.insert_latents(kv, ids, e, feats, post, tails.to(device)), None
+            load_kv(self, kv2)
+            self.logical_offset = -self.n_latent
+            self._latents_at = e
+            st.bridge_s = now(device) - t1
+            return out
+
+        if fuse:  # the cache shows generate the prompt's first N - 1 rows (no latents yet) until the first forward
+            load_kv(self, kv)
+            self.logical_offset, self._latents_at = 0, None
+            self._pending = PendingForward(int(self.input_ids[0, -1]), lambda model, cache: latents_pass(True))
+        else:
+            latents_pass(False)
         st.assemble_s = now(device) - t0
 
     def tail_rows(self) -> torch.Tensor:
@@ -200,10 +225,13 @@ class LatentRemedyCache(BlockReuseCache):
         return self.bridge.to(p.device)(feats).to(p.dtype)
 
     def insert_latents(self, kv: KV, ids: torch.Tensor, e: int, feats, post: torch.Tensor,
-                       tails: torch.Tensor | None = None) -> KV:
+                       tails: torch.Tensor | None = None, logits: bool = False):
         """``kv`` with ``n`` latent rows at ``e .. e+n-1`` (the rows from ``e`` on move up by ``n``), computed in one
         pass together with the recomputed block tails ``tails`` before them and the rows ``post`` after them (the
-        question), which attend to the latents."""
+        question), which attend to the latents. ``logits=True``: the pass runs through the model's own forward
+        (the rows' embeddings as ``inputs_embeds``; the model check's layer probe, which this cache requires,
+        shows that its forward does nothing else around the layers) and ``(kv, output)`` is returned, the output
+        holding the last row's logits."""
         n = self.n_latent
         if n:
             out = []
@@ -225,8 +253,10 @@ class LatentRemedyCache(BlockReuseCache):
             on_latents = torch.zeros(1, rows.numel(), dtype=torch.bool, device=ids.device)
             on_latents[:, tails.numel(): tails.numel() + n] = True  # the bridge's LoRA, if any, acts there only
             with self.bridge.lora_active(self.model, on_latents):
-                partial_forward(self.model, ids_ext, rows, kv, layers=range(len(kv)),
-                                hidden_states=torch.cat(parts, 1))
+                out = partial_forward(self.model, ids_ext, rows, kv, layers=None if logits else range(len(kv)),
+                                      hidden_states=torch.cat(parts, 1))
+            if logits:
+                return kv, out
         return kv
 
     # -- decoding at physical positions ----------------------------------------------------------------------

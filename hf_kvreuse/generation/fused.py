@@ -12,7 +12,8 @@ rounding, for one pass over the weights less.
 The cache shows ``generate`` the first ``N - 1`` rows (views of full-length storage, the pending rows not yet
 written and never read before the forward), so ``generate`` feeds the last prompt token as usual; the cache's
 ``forward`` hook (:meth:`hf_kvreuse.cache_classes.base.KVReuseCache.forward`) then runs :meth:`PendingRows.run`
-instead of the model's one-token forward.
+instead of the model's one-token forward. :class:`PendingForward` is the general form: a cache that computes its
+rows its own way (LatentRemedyCache: latent rows whose input is not a token) gives the whole first forward.
 """
 
 from __future__ import annotations
@@ -33,7 +34,35 @@ def returns_internals(model, generate_kwargs: dict) -> bool:
     return any(generate_kwargs.get(k) or getattr(cfg, k, False) for k in _INTERNALS)
 
 
-class PendingRows:
+class PendingForward:
+    """The first forward of ``generate``, run by the cache instead of the model's one-token step.
+
+    Parameters
+    ----------
+    last_token : int
+        The prompt's last token: what ``generate`` must feed to that forward (checked).
+    compute : callable
+        ``compute(model, cache) -> model output``: writes the cache's K/V (the last prompt token's row included)
+        and returns the output whose logits give the first token.
+    """
+
+    def __init__(self, last_token: int, compute):
+        self.last_token, self.compute = int(last_token), compute
+
+    @torch.no_grad()
+    def run(self, model, cache, fed: torch.Tensor | None):
+        """Run ``compute`` and return its output with its cache field set to ``cache``, as the model's one-token
+        forward would. ``fed``: the ids ``generate`` fed (must be the last prompt token)."""
+        if fed is None or fed.shape[-1] != 1 or int(fed.reshape(-1)[0]) != self.last_token:
+            raise RuntimeError(f"{type(cache).__name__}: the first forward fed "
+                               f"{None if fed is None else tuple(fed.shape)} instead of the last prompt token; the "
+                               "fused first step cannot run (pass fuse_first_step=False)")
+        out = self.compute(model, cache)
+        set_output_cache(out, cache)
+        return out
+
+
+class PendingRows(PendingForward):
     """Rows of a prompt's K/V left for the first forward of ``generate``.
 
     Parameters
@@ -57,22 +86,14 @@ class PendingRows:
         self.kv = kv
         self.rows = torch.cat([rows, torch.tensor([n - 1], device=device, dtype=torch.long)])
         self.input_ids = input_ids.to(device)
+        super().__init__(int(input_ids[0, -1]), self._compute)
 
     def visible(self) -> KV:
         """What the cache holds until the fused forward: views of the first ``N - 1`` rows."""
         n = self.input_ids.shape[-1]
         return [(k[..., : n - 1, :], v[..., : n - 1, :]) for k, v in self.kv]
 
-    @torch.no_grad()
-    def run(self, model, cache, fed: torch.Tensor | None):
-        """The first forward: compute the pending rows and the last prompt token's into ``cache`` and return the
-        model output (the last token's logits) with its cache field set to ``cache``, as the model's one-token
-        forward would. ``fed``: the ids ``generate`` fed (must be the last prompt token)."""
-        if fed is None or fed.shape[-1] != 1 or int(fed.reshape(-1)[0]) != int(self.input_ids[0, -1]):
-            raise RuntimeError(f"{type(cache).__name__}: the first forward fed "
-                               f"{None if fed is None else tuple(fed.shape)} instead of the last prompt token; the "
-                               "fused first step cannot run (pass fuse_first_step=False)")
+    def _compute(self, model, cache):
         out = partial_forward(model, self.input_ids, self.rows, self.kv)
         load_kv(cache, self.kv)  # the prompt's rows, the last token's included, as a decode step leaves them
-        set_output_cache(out, cache)
         return out

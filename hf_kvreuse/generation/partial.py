@@ -143,7 +143,8 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
         Run only these decoder layers (default: the whole model through the HF forward).
     hidden_states : Tensor ``[1, R, hidden]``, optional
         With ``layers``: the rows' input to ``layers[0]`` (default: their token embeddings, for ranges that
-        start at layer 0).
+        start at layer 0). Without: the rows' input embeddings (``inputs_embeds`` of the model's own forward, e.g.
+        rows that are not tokens); ``input_ids`` then only gives the number of rows.
 
     Returns
     -------
@@ -185,8 +186,10 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
             h = run_layers(model, layers, hidden_states, row_pos[None], mask, cache)
         cache.check_writes(model, layers)
         return base.norm(h) if layers.stop >= len(base.layers) else h
+    fed = (dict(input_ids=input_ids[:, rows.to(input_ids.device)]) if hidden_states is None
+           else dict(inputs_embeds=hidden_states))
     with attend:
-        out = model(input_ids=input_ids[:, rows.to(input_ids.device)], position_ids=row_pos[None],
-                    attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
+        out = model(**fed, position_ids=row_pos[None], attention_mask=mask, use_cache=True,
+                    logits_to_keep=logits_to_keep, **cache_kwargs(cache))
     cache.check_writes(model, range(len(kv)))
     return out
