@@ -41,13 +41,18 @@ class PendingForward:
     ----------
     last_token : int
         The prompt's last token: what ``generate`` must feed to that forward (checked).
-    compute : callable
+    compute : callable, optional
         ``compute(model, cache) -> model output``: writes the cache's K/V (the last prompt token's row included)
-        and returns the output whose logits give the first token.
+        and returns the output whose logits give the first token. Default: the subclass's :meth:`compute`.
     """
 
-    def __init__(self, last_token: int, compute):
-        self.last_token, self.compute = int(last_token), compute
+    def __init__(self, last_token: int, compute=None):
+        self.last_token, self._compute = int(last_token), compute
+
+    def compute(self, model, cache):
+        # a method, not a stored bound method: that would be a reference cycle keeping a subclass's K/V storage
+        # alive after the first forward until the garbage collector runs
+        return self._compute(model, cache)
 
     @torch.no_grad()
     def run(self, model, cache, fed: torch.Tensor | None):
@@ -86,14 +91,14 @@ class PendingRows(PendingForward):
         self.kv = kv
         self.rows = torch.cat([rows, torch.tensor([n - 1], device=device, dtype=torch.long)])
         self.input_ids = input_ids.to(device)
-        super().__init__(int(input_ids[0, -1]), self._compute)
+        super().__init__(int(input_ids[0, -1]))
 
     def visible(self) -> KV:
         """What the cache holds until the fused forward: views of the first ``N - 1`` rows."""
         n = self.input_ids.shape[-1]
         return [(k[..., : n - 1, :], v[..., : n - 1, :]) for k, v in self.kv]
 
-    def _compute(self, model, cache):
+    def compute(self, model, cache):
         out = partial_forward(model, self.input_ids, self.rows, self.kv)
         load_kv(cache, self.kv)  # the prompt's rows, the last token's included, as a decode step leaves them
         return out
