@@ -21,6 +21,10 @@ Reported per size: median TTFT (streamer, first token) of each method and its me
 latents do not depend on the block).
 
     python benchmarks/latent_ttft.py --model qwen2.5-0.5b --sizes 1024 4096 8192 --reps 7 --threads 1
+
+``--two-forwards`` adds ``direct_pc-2fwd`` and ``latent_pc-2fwd``: the same caches with ``fuse_first_step=False``
+(their rows in a forward of their own, then ``generate``'s one-token step), in the same rotation, so that what the
+fused first step saves each method is measured side by side (``fused_over_two_forwards`` in the JSON).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from hf_kvreuse.workflows.conflicting import _WORDS, QUESTION, ConflictRecord, p
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("direct", "direct_pc", "tail16", "latent", "latent_pc", "latent_tail16", "latent_tail16_pc")
+#: ``--two-forwards``: the fused methods above with fuse_first_step=False
+TWO_FORWARDS = ("direct_pc-2fwd", "latent_pc-2fwd")
 
 
 def long_record(tok, n_tokens: int, seed: int = 0) -> ConflictRecord:
@@ -79,7 +85,10 @@ def main(argv=None) -> None:
     p.add_argument("--bridge", default=None, help="LatentBridge folder (default: the shipped checkpoint)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(HERE / "results" / "latent_ttft_qwen2.5-0.5b.json"))
+    p.add_argument("--two-forwards", action="store_true",
+                   help="also time direct_pc and latent_pc with fuse_first_step=False (-2fwd)")
     a = p.parse_args(argv)
+    methods = METHODS + (TWO_FORWARDS if a.two_forwards else ())
     torch.set_num_threads(a.threads)
     from hf_kvreuse.cli import _git_commit
 
@@ -119,34 +128,46 @@ def main(argv=None) -> None:
                                                        **harness),
             "latent_tail16_pc": lambda: LatentRemedyCache(model, ids, [(0, s), (s, e)], bridge=bridge,
                                                           tail_tokens=16, **lead),
+            "direct_pc-2fwd": lambda: DirectReuseCache(model, ids, [(0, s), (s, e)], **lead, fuse_first_step=False),
+            "latent_pc-2fwd": lambda: LatentRemedyCache(model, ids, [(0, s), (s, e)], bridge=bridge, tail_tokens=0,
+                                                        **lead, fuse_first_step=False),
         }
-        for m in METHODS:  # warm-up (and the first latent_pc call stores the prefix read-out with its chunk)
+        for m in methods:  # warm-up (and the first latent_pc call stores the prefix read-out with its chunk)
             ttft(model, ids, make[m]())
-        times = {m: [] for m in METHODS}
-        cpu = {m: [] for m in METHODS}
+        times = {m: [] for m in methods}
+        cpu = {m: [] for m in methods}
+        bridge_s = {}
         for r in range(a.reps):
-            order = METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]
+            order = methods[r % len(methods):] + methods[: r % len(methods)]
             for m in order:
-                wall, c = ttft(model, ids, make[m]())
+                cache = make[m]()
+                wall, c = ttft(model, ids, cache)
                 times[m].append(wall)
                 cpu[m].append(c)
+                if m.startswith("latent"):  # the pass over the latents (fused: the whole first forward)
+                    bridge_s.setdefault(m, []).append(cache.stats.bridge_s)
         row = {"block_tokens": e - s, "prompt_tokens": ids.shape[1], "prefix_tokens": s, "prep_s": prep_s,
                "ttft_s": {m: statistics.median(v) for m, v in times.items()}, "raw_s": times,
                "ratio_to_direct": {m: statistics.median(x / y for x, y in zip(times[m], times["direct"]))
-                                   for m in METHODS},
+                                   for m in methods},
                "ratio_to_direct_pc": {m: statistics.median(x / y for x, y in zip(times[m], times["direct_pc"]))
-                                      for m in METHODS},
+                                      for m in methods},
+               "bridge_s": {m: statistics.median(v) for m, v in bridge_s.items()},
                "latent_cost_s": statistics.median(x - y for x, y in zip(times["latent_pc"], times["direct_pc"])),
                "cpu_s": {m: statistics.median(v) for m, v in cpu.items()}, "raw_cpu_s": cpu,
                "cpu_ratio_to_direct": {m: statistics.median(x / y for x, y in zip(cpu[m], cpu["direct"]))
-                                       for m in METHODS},
+                                       for m in methods},
                "cpu_ratio_to_direct_pc": {m: statistics.median(x / y for x, y in zip(cpu[m], cpu["direct_pc"]))
-                                          for m in METHODS}}
+                                          for m in methods}}
+        if a.two_forwards:  # median per repetition of fused TTFT / two-forward TTFT
+            row["fused_over_two_forwards"] = {
+                m: statistics.median(x / y for x, y in zip(times[m], times[m + "-2fwd"])) for m in ("direct_pc",
+                                                                                                   "latent_pc")}
         res["sizes"][str(n)] = row
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1))
         print(n, json.dumps({k: row[k] for k in ("block_tokens", "ttft_s", "ratio_to_direct", "ratio_to_direct_pc",
-                                                 "latent_cost_s")}), flush=True)
+                                                 "latent_cost_s", "fused_over_two_forwards") if k in row}), flush=True)
         del store
 
 
@@ -163,6 +184,12 @@ def markdown(path: str) -> str:
             cells = [f"{1000 * r[key][m]:.0f} ms" if m in r[key] else "-" for m in METHODS]
             cells += [f"{r[rk + 'ratio_to_' + b][m]:.2f}x" if m in r[rk + "ratio_to_" + b] else "-" for m, b in ratios]
             lines.append(f"| {r['block_tokens']} | {clock} | " + " | ".join(cells) + " |")
+    for n, r in sorted(d["sizes"].items(), key=lambda x: int(x[0])):
+        if "fused_over_two_forwards" in r:
+            lines.append(f"\n{r['block_tokens']} block tokens, fused / two forwards (median per repetition): "
+                         + ", ".join(f"{m} {v:.2f}x" for m, v in r["fused_over_two_forwards"].items())
+                         + "; the latents' pass (stats.bridge_s, median): "
+                         + ", ".join(f"{m} {1000 * v:.0f} ms" for m, v in r.get("bridge_s", {}).items()))
     return "\n".join(lines)
 
 if __name__ == "__main__":
