@@ -72,3 +72,39 @@ def assert_kv_close(a, b, atol=1e-5, rtol=1e-5, length=None):
             k, v, rk, rv = (t[..., :length, :] for t in (k, v, rk, rv))
         torch.testing.assert_close(k, rk, atol=atol, rtol=rtol)
         torch.testing.assert_close(v, rv, atol=atol, rtol=rtol)
+
+
+
+def assert_same_generation(fused, unfused):
+    """Two ``(cache, generate output)`` runs of one prompt agree: rows recomputed, every step's logits, the tokens
+    and the returned K/V (the fused first step against its two-forward path)."""
+    (fc, fo), (uc, uo) = fused, unfused
+    assert fc.stats.recomputed_tokens == uc.stats.recomputed_tokens
+    torch.testing.assert_close(torch.stack(fo.logits), torch.stack(uo.logits), atol=1e-4, rtol=1e-4)
+    assert torch.equal(fo.sequences, uo.sequences)
+    assert_kv_close(fc, uc)
+
+@pytest.fixture
+def pending_runs(monkeypatch):
+    """Weak references to every fused first step's pending forward that runs while the fixture is active, with the
+    cyclic garbage collector off: a reference that is still alive after ``generate`` is held by a reference cycle
+    or by an object, not by something reference counting frees."""
+    import gc
+    import weakref
+
+    from hf_kvreuse.generation import fused
+
+    seen = []
+    run = fused.PendingForward.run
+
+    def tracking_run(self, model, cache, fed):
+        seen.append(weakref.ref(self))
+        return run(self, model, cache, fed)
+
+    monkeypatch.setattr(fused.PendingForward, "run", tracking_run)
+    gc.collect()
+    gc.disable()
+    try:
+        yield seen
+    finally:
+        gc.enable()

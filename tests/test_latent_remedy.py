@@ -10,6 +10,8 @@ from hf_kvreuse.kv import kv_of
 from hf_kvreuse.latent.train import make_example, student_logits, student_loss
 from hf_kvreuse.models import tiny_model
 
+from conftest import assert_same_generation
+
 ARCHS = ["llama", "qwen2", "mistral"]
 # latent rows are cache entries that are not prompt tokens: sizing the mask for them needs Cache.get_query_offset
 needs_offset = pytest.mark.skipif(not HAS_QUERY_OFFSET, reason="latent tokens need transformers>=5.17")
@@ -621,45 +623,22 @@ def test_fused_first_step_equals_two_forwards(model, n, tail, lora):
         runs[fuse] = cache, out
     (fc, fo), (uc, uo) = runs[True], runs[False]
     assert fc.stats.fused_first_step and not uc.stats.fused_first_step
-    assert fc.stats.recomputed_tokens == uc.stats.recomputed_tokens
-    torch.testing.assert_close(torch.stack(fo.logits), torch.stack(uo.logits), atol=1e-4, rtol=1e-4)
-    assert torch.equal(fo.sequences, uo.sequences)
-    for (k, v), (rk, rv) in zip(kv_of(fc), kv_of(uc)):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    assert_same_generation(runs[True], runs[False])
     turn2 = torch.cat([fo.sequences, q], 1)
     torch.testing.assert_close(torch.stack(_gen(model, turn2, fc, new=2).logits),
                                torch.stack(_gen(model, turn2, uc, new=2).logits), atol=1e-4, rtol=1e-4)
 
 
-def test_fused_latents_pass_frees_its_storage_without_the_garbage_collector(model, monkeypatch):
+def test_fused_latents_pass_frees_its_storage_without_the_garbage_collector(model, pending_runs):
     """After the fused latents pass, the pending forward (its closure holds the prompt-length storage the latents
     were inserted into) is freed by reference counting, not left for the cyclic garbage collector.
 
     Planted bug that fails it: ``prepare`` keeps the pending forward on the cache (``self._kept = self._pending``),
     so it lives as long as the cache does."""
-    import gc
-    import weakref
-
-    from hf_kvreuse.generation import fused
-
-    seen = []
-    run = fused.PendingForward.run
-
-    def tracking_run(self, model_, cache, fed):
-        seen.append(weakref.ref(self))
-        return run(self, model_, cache, fed)
-
-    monkeypatch.setattr(fused.PendingForward, "run", tracking_run)
     pa, pb, blk, q = _parts(4)
     ids = torch.cat([pb, blk, q], 1)
     bridge = LatentBridge(model, n_latent=3, hidden=32, lora_rank=4)
     cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0], tail_tokens=2)
-    gc.collect()
-    gc.disable()
-    try:
-        _gen(model, ids, cache, new=3)
-        assert cache.stats.fused_first_step and len(seen) == 1
-        assert seen[0]() is None, "the pending latents pass outlived the first forward (a reference cycle)"
-    finally:
-        gc.enable()
+    _gen(model, ids, cache, new=3)
+    assert cache.stats.fused_first_step and len(pending_runs) == 1
+    assert pending_runs[0]() is None, "the pending latents pass outlived the first forward (a reference cycle)"
