@@ -629,6 +629,7 @@ def test_fused_first_step_equals_two_forwards(model, n, tail, lora):
                                torch.stack(_gen(model, turn2, uc, new=2).logits), atol=1e-4, rtol=1e-4)
 
 
+@needs_offset
 def test_fused_latents_pass_frees_its_storage_without_the_garbage_collector(model, pending_runs):
     """After the fused latents pass, the pending forward (its closure holds the prompt-length storage the latents
     were inserted into) is freed by reference counting, not left for the cyclic garbage collector.
