@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
 
         stages = ", ".join(f"{k[-1]}: {v:.0f}" for k, v in br.get("stage_cpu_s", {}).items())
         name = path.rsplit("latent_ablation_", 1)[-1].removesuffix(".json")
-        read = f"{c['read']} {tuple(c['layers'])}"
+        read = f"{c['read']} {tuple(c['layers'])}" + (" + donor" if c.get("donor") else "")
         print(f"| {name} | {c['n_latent']} | {read} | {c['hidden']} | {c['tail_tokens']} | {stages} | {br['step']} | "
               f"{pct(agg(held, 'acc'))} ({pct(agg(held, 'reuse_acc'))} / {pct(agg(held, 'full_acc'))}) | "
               f"{pct(rec(held))} | {pct(rec(['code']) if 'code' in dev else float('nan'))} | {pct(rec(tr))} | "

@@ -341,6 +341,7 @@ def test_two_forward_examples_match_the_caches_assembly():
         torch.testing.assert_close(k, wk, atol=2e-3, rtol=2e-3)  # float16 storage of the teacher's K/V
         torch.testing.assert_close(v, wv, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got.feats.float(), want.feats.float(), atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(got.donor_feats.float(), want.donor_feats.float(), atol=5e-3, rtol=5e-3)
 
 
 @needs_offset
@@ -643,3 +644,86 @@ def test_fused_latents_pass_frees_its_storage_without_the_garbage_collector(mode
     _gen(model, ids, cache, new=3)
     assert cache.stats.fused_first_step and len(pending_runs) == 1
     assert pending_runs[0]() is None, "the pending latents pass outlived the first forward (a reference cycle)"
+
+
+def _donor_bridge(model, n=3, seed=4):
+    """A donor-reading bridge with a non-trivial MLP."""
+    torch.manual_seed(seed)
+    b = LatentBridge(model, n_latent=n, hidden=32, donor=True)
+    with torch.no_grad():
+        for p in b.mlp.parameters():
+            p.normal_(0, 0.3)
+    return b
+
+
+@needs_offset
+def test_donor_bridge_cache_equals_trainer_and_reads_the_donor(model):
+    """A ``donor=True`` bridge (an issue-25 ablation) in the cache gives the trainer's student logits (the donor
+    prefix read alone, as the data module keeps it), and another donor prefix gives other latents, so the donor
+    is read. Planted bug: `donor_features` reading the target's own prefix (`self.input_ids[0, :s]`) instead of
+    `block_prefix_ids` -> the cache's logits differ from the student's."""
+    pa, pb, blk, q = _parts(41)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _donor_bridge(model)
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=2, top_k=8)
+    with torch.no_grad():  # the donor prefix alone through the model's own forward, here, not the cache's code
+        ex.donor_feats = model(pa, output_hidden_states=True).hidden_states[-1]  # [R=1, T, d]
+    with torch.no_grad():
+        s = student_logits(model, bridge, ex)
+    store = ChunkStore()
+    cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, store=store, block_prefix_ids=pa[0])
+    got = _gen(model, ids, cache, new=1)
+    torch.testing.assert_close(s[0], got.logits[0][0], atol=2e-4, rtol=2e-4)
+    other = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(2))
+    got2 = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=other), new=1)
+    assert not torch.allclose(got2.logits[0][0], got.logits[0][0], atol=1e-3)
+    # the donor read-out is kept with the block's chunk: a second call does not run the donor prefix again
+    (chunk,) = store._items.values()
+    assert any(k[0] == "donor_readout" for k in chunk.extra)
+
+
+@needs_offset
+def test_donor_bridge_refusals_and_round_trip(model, tmp_path):
+    """A donor bridge refuses a block computed standalone and blocks computed after different prefixes; it saves
+    and loads as what it is; the trainer's examples without donor hidden states are refused clearly."""
+    pa, pb, blk, q = _parts(42)
+    ids = torch.cat([pb, blk, q], 1)
+    bridge = _donor_bridge(model)
+    with pytest.raises(ValueError, match="standalone"):
+        _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge), new=1)
+    with pytest.raises(ValueError, match="different prefixes"):
+        _gen(model, ids, LatentRemedyCache(model, ids, [(9, 20), (20, 39)], bridge=bridge,
+                                           block_prefix_ids=[pa[0], pa[0, :3]]), new=1)
+    bridge.save(tmp_path / "d", dtype=torch.float32)
+    loaded = LatentBridge.load(tmp_path / "d", model)
+    h, d = torch.randn(2, model.config.hidden_size), torch.randn(2, model.config.hidden_size)
+    assert loaded.donor and torch.equal(loaded(h, d), bridge(h, d))
+    with pytest.raises(ValueError, match="donor read-out"):
+        bridge(h)
+    ex = _example_pair(model, 43)
+    ex.donor_feats = None
+    with pytest.raises(ValueError, match="donor hidden states"):
+        bridge.latents([ex])
+
+
+def test_shards_pair_each_example_with_its_donor(tmp_path):
+    """A shard written by the data module gives each direction of a record the other direction's prefix hidden
+    states as its donor's (``load_shard``); the in-memory examples carry the same. Planted bug: `pair_donors`
+    looking up the same direction (`f"{src}->{tgt}"`) -> each example gets its own prefix as its donor's."""
+    from hf_kvreuse.latent.data import example_from_parts, load_shard, save_shard, teacher_side
+    from hf_kvreuse.rope import RopeShifter
+
+    m = enable(tiny_model("qwen2", seed=9))
+    pa, pb, blk, q = _parts(31)
+    ia, ib = torch.cat([pa, blk, q], 1)[0].tolist(), torch.cat([pb, blk, q], 1)[0].tolist()
+    layers = (-1, 1)
+    sa = teacher_side(m, ia, (6, 36), n_answer=2, top_k=8, read_layers=layers)
+    sb = teacher_side(m, ib, (9, 39), n_answer=2, top_k=8, read_layers=layers)
+    ab, ba = (example_from_parts(RopeShifter(m), sb, sa, layers), example_from_parts(RopeShifter(m), sa, sb, layers))
+    for ex, d in ((ab, "a->b"), (ba, "b->a")):
+        ex.meta = {"family": "fam", "record": 0, "direction": d}
+    assert torch.equal(ab.donor_feats, ba.feats) and torch.equal(ba.donor_feats, ab.feats)
+    save_shard(tmp_path / "fam_0-00000", [ab, ba])
+    got = load_shard(tmp_path / "fam_0-00000")
+    assert torch.equal(got[0].donor_feats, got[1].feats) and torch.equal(got[1].donor_feats, got[0].feats)
+    assert got[0].donor_feats.shape[1] == pa.shape[1]

@@ -28,7 +28,7 @@ import torch
 
 from ..generation.fused import PendingForward, returns_internals
 from ..generation.partial import partial_forward
-from ..kv import KV, load_kv
+from ..kv import KV, empty_kv, load_kv
 from ..timing import now
 from .block_reuse import BlockReuseCache, BlockReuseStats
 
@@ -138,6 +138,8 @@ class LatentRemedyCache(BlockReuseCache):
             feats = None
             if self.n_latent:
                 feats = self.prefix_features(ids, pre, kv)
+                if self.bridge.donor:
+                    feats = (feats, self.donor_features())
             elif pre.numel():
                 partial_forward(self.model, ids, pre, kv)
         st = self.stats
@@ -216,13 +218,35 @@ class LatentRemedyCache(BlockReuseCache):
             partial_forward(self.model, ids, rows, kv, layers=range(start, n_layers), hidden_states=hidden)
         return torch.stack([grabbed[n_layers - 1 if x < 0 else x] for x in self.bridge.layers])
 
+    def donor_features(self) -> list[torch.Tensor]:
+        """A ``donor=True`` bridge's read-out of the donor prefix (the tokens the reused blocks were computed after),
+        as :meth:`prefix_features` gives the own prefix's: the prefix runs alone from position 0 (as the donor ran
+        it: the data module reads it from the donor's own forward), once per chunk (kept in ``KVChunk.extra``)."""
+        b = self.bridge
+        prefixes = [self.prefix_for(s) for s, _ in self.reused]
+        prefixes = [None if p is None else torch.as_tensor(p).reshape(-1) for p in prefixes]
+        if any(p is None or not p.numel() for p in prefixes):
+            raise ValueError("this LatentBridge reads the donor's prefix (donor=True), but a reused block was "
+                             "computed standalone (no block_prefix_ids): there is no donor prefix to read")
+        if any(not torch.equal(p.cpu(), prefixes[-1].cpu()) for p in prefixes):
+            raise ValueError("this LatentBridge reads one donor prefix (donor=True); the reused blocks were computed "
+                             "after different prefixes")
+        chunk = self.chunks[self.reused[-1]]
+        key = ("donor_readout", b.layers, b.read)
+        if key not in chunk.extra:  # the donor prefix alone, from position 0, through the same layer engine
+            ids = prefixes[-1][None].to(chunk.kv[0][0].device)
+            f = self._read_layers(ids, torch.arange(ids.shape[1], device=ids.device), empty_kv(chunk.kv, ids.shape[1]))
+            chunk.extra[key] = (f if b.all_rows else f[:, -1:]).detach().clone()  # [R, T, d]
+        return [chunk.extra[key]]
+
     def prefix_hidden(self, ids: torch.Tensor, pre: torch.Tensor, kv: KV) -> torch.Tensor:
         """Compute rows ``pre`` into ``kv``; ``h`` ``[1, d]``: the last prefix row at the bridge's first layer."""
         return self.prefix_features(ids, pre, kv)[0][0, -1:]
 
     def latent_embeddings(self, feats) -> torch.Tensor:
         p = next(self.model.parameters())
-        return self.bridge.to(p.device)(feats).to(p.dtype)
+        own, donor = feats if self.bridge.donor else (feats, None)
+        return self.bridge.to(p.device)(own, donor).to(p.dtype)
 
     def insert_latents(self, kv: KV, ids: torch.Tensor, e: int, feats, post: torch.Tensor,
                        tails: torch.Tensor | None = None, logits: bool = False):

@@ -19,6 +19,10 @@ default the attention's ``q/k/v/o``) in every decoder layer, **active on the lat
 (:meth:`LatentBridge.lora_active`). The other rows run the frozen model, so the prompt's own K/V and the
 returned cache are the model's; only the latents' K/V, and through them what later rows read, change. ``B``
 starts at zero: an untrained LoRA is a no-op (tested).
+
+``donor=True`` (an ablation of issue 25, not in the paper) also reads the prefix the reused block was computed under
+(the donor agent's instructions), with the same read-out, and feeds both to the MLP: the block's K/V carry the
+donor's focus, and a bridge that sees only the target's own prefix cannot know which focus it has to undo.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import torch
 from torch import nn
 
 FORMAT = "hf_kvreuse.LatentBridge"
-VERSION = 3
-READABLE = (1, 2, 3)  # version 1: one layer, last row, no tail; version 2: no LoRA
+VERSION = 4
+READABLE = (1, 2, 3, 4)  # version 1: one layer, last row, no tail; 2: no LoRA; 3: no donor read-out
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -68,11 +72,14 @@ class LatentBridge(nn.Module):
     lora_modules : tuple of str, default=("q_proj", "k_proj", "v_proj", "o_proj")
         Names (last component) of the ``nn.Linear`` modules of a decoder layer that the LoRA adapts; a name that
         the model's layers lack is refused.
+    donor : bool, default=False
+        Also read the donor's prefix (the tokens the reused block was computed after) the same way; the MLP sees
+        both read-outs. The cache then needs every reused block's donor prefix (``block_prefix_ids``).
     """
 
     def __init__(self, model, n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1,
                  layers: tuple[int, ...] | None = None, read: str = "last", tail_tokens: int = 0,
-                 lora_rank: int = 0, lora_modules: tuple[str, ...] = LORA_MODULES):
+                 lora_rank: int = 0, lora_modules: tuple[str, ...] = LORA_MODULES, donor: bool = False):
         super().__init__()
         from ..translation.mapper import model_identity
 
@@ -87,13 +94,13 @@ class LatentBridge(nn.Module):
             raise ValueError(f"read must be 'last' or 'attn', got {read!r}")
         d = model.config.hidden_size
         self.n_latent, self.hidden, self.d = n_latent, hidden, d
-        self.layers, self.read, self.tail_tokens = layers, read, tail_tokens
+        self.layers, self.read, self.tail_tokens, self.donor = layers, read, tail_tokens, bool(donor)
         self.hidden_layer = layers[0]
         self.identity = model_identity(model)
         emb = model.get_input_embeddings().weight.detach().float()
         self.base = nn.Parameter(emb.mean(0).repeat(n_latent, 1).clone())
         self.scale = float(emb.norm(dim=-1).mean())  # typical embedding norm: inputs are normalised by it
-        f_in = len(layers) * d * (2 if read == "attn" else 1)
+        f_in = len(layers) * d * (2 if read == "attn" else 1) * (2 if donor else 1)
         self.query = nn.Parameter(torch.zeros(len(layers), d)) if read == "attn" else None
         self.mlp = nn.Sequential(nn.Linear(f_in, hidden), nn.GELU(), nn.Linear(hidden, n_latent * d)) if n_latent \
             else None
@@ -119,27 +126,37 @@ class LatentBridge(nn.Module):
     def _unit(self, x: torch.Tensor) -> torch.Tensor:
         return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-6) * (self.d ** 0.5)  # scale-free
 
-    def encode(self, feats: list[torch.Tensor]) -> torch.Tensor:
+    def _read(self, f: torch.Tensor) -> list[torch.Tensor]:
+        f = self._unit(f.float())
+        parts = [f[:, -1]]
+        if self.query is not None:
+            w = torch.softmax((f @ self.query[:, :, None])[..., 0] / self.d, dim=-1)  # [R, T]
+            parts.append(self._unit((w[..., None] * f).sum(1)))
+        return parts
+
+    def encode(self, feats: list[torch.Tensor], donor: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Per example the prefix hidden states ``[len(layers), T, d]`` at :attr:`layers` (``T`` = all prefix rows,
-        or only the last one for ``read="last"``) -> the MLP input ``[B, F]``."""
+        or only the last one for ``read="last"``), and for a ``donor`` bridge the donor prefix's the same way
+        -> the MLP input ``[B, F]``."""
+        if self.donor and (donor is None or len(donor) != len(feats)):
+            raise ValueError("this bridge reads the donor's prefix too (donor=True): pass one donor read-out per "
+                             "example")
         out = []
-        for f in feats:
-            f = self._unit(f.float())
-            parts = [f[:, -1]]
-            if self.query is not None:
-                w = torch.softmax((f @ self.query[:, :, None])[..., 0] / self.d, dim=-1)  # [R, T]
-                parts.append(self._unit((w[..., None] * f).sum(1)))
+        for i, f in enumerate(feats):
+            parts = self._read(f) + (self._read(donor[i]) if self.donor else [])
             out.append(torch.cat(parts, 0).reshape(-1))
         return torch.stack(out)
 
-    def forward(self, h: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor | list[torch.Tensor], donor=None) -> torch.Tensor:
         """``h`` ``[B, d]`` (the last prefix row at the one read layer) or a list of per-example read-outs as for
-        :meth:`encode` -> latent embeddings ``[B, n_latent, d]`` (float32)."""
+        :meth:`encode` (``donor`` likewise, for a ``donor=True`` bridge) -> latent embeddings ``[B, n_latent, d]``
+        (float32)."""
         if isinstance(h, torch.Tensor) and h.dim() == 2:
             if len(self.layers) != 1 or self.read != "last":
                 raise ValueError("this bridge reads several layers or all prefix rows: pass per-example read-outs")
             h = [x[None, None] for x in h]
-        x = self.encode(list(h))
+            donor = [x[None, None] for x in donor] if isinstance(donor, torch.Tensor) else donor
+        x = self.encode(list(h), None if donor is None else list(donor))
         if self.mlp is None:
             return self.base[None].expand(x.shape[0], 0, self.d)
         out = self.mlp(x).reshape(x.shape[0], self.n_latent, self.d) * self.scale / (self.d ** 0.5)
@@ -147,17 +164,24 @@ class LatentBridge(nn.Module):
 
     def latents(self, examples) -> torch.Tensor:
         """Latents of training examples (:class:`~hf_kvreuse.latent.data.Example`, with their stored read-outs)."""
-        feats = []
+        feats, donor = [], []
         for ex in examples:
+            if self.donor:
+                if ex.donor_feats is None:
+                    raise ValueError("this bridge reads the donor's prefix (donor=True); the example has no donor "
+                                     "hidden states (Example.donor_feats)")
+                donor.append(self._pick(ex.donor_feats, ex.read_layers))
             if ex.feats is None:  # an example made for this bridge's one read-out (train.make_example)
                 if len(self.layers) != 1 or self.all_rows:
                     raise ValueError(f"the example has no stored hidden states for layers {self.layers}")
                 feats.append(ex.h.float()[None])
                 continue
-            idx = [ex.read_layers.index(x) for x in self.layers]
-            f = ex.feats[idx]
-            feats.append(f if self.all_rows else f[:, -1:])
-        return self(feats)
+            feats.append(self._pick(ex.feats, ex.read_layers))
+        return self(feats, donor if self.donor else None)
+
+    def _pick(self, feats: torch.Tensor, read_layers) -> torch.Tensor:
+        f = feats[[tuple(read_layers).index(x) for x in self.layers]]
+        return f if self.all_rows else f[:, -1:]
 
     @contextlib.contextmanager
     def lora_active(self, model, rows: torch.Tensor):
@@ -200,6 +224,7 @@ class LatentBridge(nn.Module):
         meta = {"format": FORMAT, "version": VERSION, "n_latent": self.n_latent, "hidden": self.hidden,
                 "hidden_layer": self.hidden_layer, "layers": list(self.layers), "read": self.read,
                 "tail_tokens": self.tail_tokens, "lora_rank": self.lora_rank, "lora_modules": list(self.lora_modules),
+                "donor": self.donor,
                 "d": self.d, "identity": self.identity, "info": self.info}
         return write_artifact(path, "bridge", {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, meta)
 
@@ -223,7 +248,7 @@ class LatentBridge(nn.Module):
                 "hf_kvreuse.latent.train")
         bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"], meta.get("layers"),
                      meta.get("read", "last"), meta.get("tail_tokens", 0), meta.get("lora_rank", 0),
-                     tuple(meta.get("lora_modules", LORA_MODULES)))
+                     tuple(meta.get("lora_modules", LORA_MODULES)), bool(meta.get("donor", False)))
         state, meta = read_artifact(path, "bridge", "LatentBridge")  # sha256 and finite values verified
         want = bridge.state_dict()
         if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
@@ -253,7 +278,7 @@ class LatentBridge(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"n_latent={self.n_latent}, hidden={self.hidden}, layers={self.layers}, read={self.read}, "
-                f"tail_tokens={self.tail_tokens}, lora_rank={self.lora_rank}, d={self.d}")
+                f"tail_tokens={self.tail_tokens}, lora_rank={self.lora_rank}, donor={self.donor}, d={self.d}")
 
 
 class _LoRAParams(nn.ParameterDict):

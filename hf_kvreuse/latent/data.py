@@ -57,6 +57,7 @@ class Example:
     read_layers: tuple = READ_LAYERS
     ids: torch.Tensor | None = None       # [1, e + m] prompt ids up to e, then tail_ids
     meta: dict = field(default_factory=dict)
+    donor_feats: torch.Tensor | None = None  # [R, s', d] the donor prefix's hidden states (the other direction's feats)
 
 
 def _forward_from(model, ids: torch.Tensor, base, start: int):
@@ -133,7 +134,7 @@ def example_from_parts(shifter, tgt: dict, src: dict, read_layers=READ_LAYERS, d
     feats = tgt["feats"]
     return Example(kv=kv, h=feats[read_layers.index(-1), -1:].float(), e=e, tail_ids=full[:, e:],
                    first=len(tgt["ids"]) - 1 - e, top_idx=tgt["top_idx"], top_logp=tgt["top_logp"].float(), s=s,
-                   feats=feats, read_layers=tuple(read_layers), ids=full)
+                   feats=feats, read_layers=tuple(read_layers), ids=full, donor_feats=src["feats"])
 
 
 @torch.no_grad()
@@ -214,7 +215,18 @@ def load_shard(path: Path, dtype=torch.float32) -> list[Example]:
                            top_idx=t[f"{i}.top_idx"], top_logp=t[f"{i}.top_logp"].float(), s=m["s"], feats=feats,
                            read_layers=rl, ids=ids, meta={k2: v2 for k2, v2 in m.items()
                                                           if k2 not in ("e", "s", "first", "read_layers")}))
+    pair_donors(exs)
     return exs
+
+
+def pair_donors(exs: list[Example]) -> None:
+    """Set each example's ``donor_feats``: the donor of ``X -> Y`` is X, whose own prefix is the target prefix of
+    ``Y -> X`` of the same record (a record's two directions are made together, so they share a shard)."""
+    by_key = {(ex.meta.get("record"), ex.meta.get("direction")): ex for ex in exs}
+    for ex in exs:
+        src, _, tgt = str(ex.meta.get("direction", "")).partition("->")
+        other = by_key.get((ex.meta.get("record"), f"{tgt}->{src}"))
+        ex.donor_feats = other.feats if other is not None else None
 
 
 def load_examples(folder: str | Path, families=None, max_per_family: int | None = None) -> list[Example]:

@@ -84,11 +84,12 @@ def make_example(model, x: torch.Tensor, span: tuple[int, int], donor_prefix: to
     fresh = cache.fresh_rows(covered)
     pre = fresh[fresh < e]
     feats = cache.prefix_features(x[:, :covered], pre, kv)[0]  # [R, s, d]
+    donor_feats = cache.donor_features()[0] if donor_prefix is not None and donor_prefix.numel() else None
     kv = [(k[..., :e, :].clone(), v[..., :e, :].clone()) for k, v in kv]
     full = torch.cat([x[0], ans[: keep - 1]])[None]
     h = feats[read_layers.index(-1) if -1 in read_layers else 0, -1:].float()
     return Example(kv, h, e, full[:, e:], x.shape[1] - 1 - e, top_idx, top_logp, s=span[0], feats=feats,
-                   read_layers=read_layers, ids=full)
+                   read_layers=read_layers, ids=full, donor_feats=donor_feats)
 
 
 def student_logits(model, bridge: LatentBridge, ex: Example, tail_k: int = 0) -> torch.Tensor:
@@ -233,6 +234,7 @@ class TrainConfig:
     tail_tokens: int = 0                # latents plus Tail-k: block rows recomputed with the latents
     lora_rank: int = 0                  # RestoreKV's bridge: a LoRA active on the latent rows (0: none)
     lora_lr: float = 1e-3               # its stage-3 learning rate
+    donor: bool = False                 # the bridge also reads the donor's prefix (an issue-25 ablation)
     lr: float = 2e-3                    # stage 3 (distillation) AdamW
     batch: int = 8
     loss: str = "continuation"          # or "first": only the first answer token
@@ -360,7 +362,7 @@ def _initial_bridge(model, out: Path, cfg: TrainConfig, conf: dict, state_path: 
             raise ValueError(f"{out} holds a run with another configuration ({old}); use another --out")
         return LatentBridge.load(out, model)
     return LatentBridge(model, cfg.n_latent, cfg.hidden, layers=tuple(cfg.layers), read=cfg.read,
-                        tail_tokens=cfg.tail_tokens, lora_rank=cfg.lora_rank)
+                        tail_tokens=cfg.tail_tokens, lora_rank=cfg.lora_rank, donor=cfg.donor)
 
 
 def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True,
@@ -485,6 +487,8 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "layers":
             p.add_argument(flag, type=int, nargs="+", default=list(f.default))
+        elif isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", default=f.default)
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
     p.add_argument("--threads", type=int, default=1)
