@@ -684,16 +684,18 @@ def test_donor_bridge_cache_equals_trainer_and_reads_the_donor(model):
 
 @needs_offset
 def test_donor_bridge_refusals_and_round_trip(model, tmp_path):
-    """A donor bridge refuses a block computed standalone and blocks computed after different prefixes; it saves
+    """A donor bridge refuses a last reused block computed standalone (it reads that block's donor prefix); it saves
     and loads as what it is; the trainer's examples without donor hidden states are refused clearly."""
     pa, pb, blk, q = _parts(42)
     ids = torch.cat([pb, blk, q], 1)
     bridge = _donor_bridge(model)
     with pytest.raises(ValueError, match="standalone"):
         _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge), new=1)
-    with pytest.raises(ValueError, match="different prefixes"):
+    with pytest.raises(ValueError, match="standalone"):  # the last reused block's donor prefix is what is read
         _gen(model, ids, LatentRemedyCache(model, ids, [(9, 20), (20, 39)], bridge=bridge,
-                                           block_prefix_ids=[pa[0], pa[0, :3]]), new=1)
+                                           block_prefix_ids=[pa[0], None]), new=1)
+    _gen(model, ids, LatentRemedyCache(model, ids, [(9, 20), (20, 39)], bridge=bridge,
+                                       block_prefix_ids=[None, pa[0]]), new=1)
     bridge.save(tmp_path / "d", dtype=torch.float32)
     loaded = LatentBridge.load(tmp_path / "d", model)
     h, d = torch.randn(2, model.config.hidden_size), torch.randn(2, model.config.hidden_size)

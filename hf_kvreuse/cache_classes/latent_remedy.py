@@ -219,22 +219,21 @@ class LatentRemedyCache(BlockReuseCache):
         return torch.stack([grabbed[n_layers - 1 if x < 0 else x] for x in self.bridge.layers])
 
     def donor_features(self) -> list[torch.Tensor]:
-        """A ``donor=True`` bridge's read-out of the donor prefix (the tokens the reused blocks were computed after),
-        as :meth:`prefix_features` gives the own prefix's: the prefix runs alone from position 0 (as the donor ran
-        it: the data module reads it from the donor's own forward), once per chunk (kept in ``KVChunk.extra``)."""
+        """A ``donor=True`` bridge's read-out of the donor prefix: the tokens the last reused block (the one the
+        latents follow) was computed after, read as :meth:`prefix_features` reads the own prefix. The prefix runs
+        alone from position 0 (as the donor ran it: the data module reads it from the donor's own forward), once
+        per chunk (kept in ``KVChunk.extra``)."""
         b = self.bridge
-        prefixes = [self.prefix_for(s) for s, _ in self.reused]
-        prefixes = [None if p is None else torch.as_tensor(p).reshape(-1) for p in prefixes]
-        if any(p is None or not p.numel() for p in prefixes):
-            raise ValueError("this LatentBridge reads the donor's prefix (donor=True), but a reused block was "
-                             "computed standalone (no block_prefix_ids): there is no donor prefix to read")
-        if any(not torch.equal(p.cpu(), prefixes[-1].cpu()) for p in prefixes):
-            raise ValueError("this LatentBridge reads one donor prefix (donor=True); the reused blocks were computed "
-                             "after different prefixes")
+        donor = self.prefix_for(self.reused[-1][0])
+        donor = None if donor is None else torch.as_tensor(donor).reshape(-1)
+        if donor is None or not donor.numel():
+            raise ValueError(f"this LatentBridge reads the donor's prefix (donor=True), but the reused block "
+                             f"{self.reused[-1]} was computed standalone (no block_prefix_ids): there is no donor "
+                             "prefix to read")
         chunk = self.chunks[self.reused[-1]]
         key = ("donor_readout", b.layers, b.read)
         if key not in chunk.extra:  # the donor prefix alone, from position 0, through the same layer engine
-            ids = prefixes[-1][None].to(chunk.kv[0][0].device)
+            ids = donor[None].to(chunk.kv[0][0].device)
             f = self._read_layers(ids, torch.arange(ids.shape[1], device=ids.device), empty_kv(chunk.kv, ids.shape[1]))
             chunk.extra[key] = (f if b.all_rows else f[:, -1:]).detach().clone()  # [R, T, d]
         return [chunk.extra[key]]
