@@ -6,7 +6,9 @@ JSON (config, CPU seconds per stage, teacher-forced figures on the dev records).
         benchmarks/results/latent_ablation_*_600.json
 
 ``--paired-against J``: a last column, the held-out accuracy of each row minus that of run ``J`` on the same dev
-examples (family, record, direction), in points with a Newcombe 95% interval.
+examples, in points with a Newcombe 95% interval: row by row where both runs evaluated the same sequence of
+examples (one dev folder may hold records of several seeds, whose (family, record, direction) keys repeat), else
+by (family, record, direction), keys met twice in a run left out.
 
 Columns: the held-out dev families (no training record comes from them) and the training families' dev records
 (other records of the same families); ``acc`` = the student's greedy answer is the teacher's and the teacher is
@@ -23,10 +25,10 @@ def pct(x: float) -> str:
     return "-" if x != x else f"{100 * x:.0f}%"
 
 
-def _held_ok(d: dict) -> dict:
-    """(family, record, direction) -> the bridge's answer right, on the held-out families."""
-    return {(r["family"], r["record"], r["direction"]): int(r["ok"]) for r in d.get("dev_rows", {}).get("bridge", [])
-            if r["family"] in HELDOUT}
+def _held_ok(d: dict) -> list[tuple[tuple, int]]:
+    """``((family, record, direction), right)`` of the bridge on the held-out families, in evaluation order."""
+    return [((r["family"], r["record"], r["direction"]), int(r["ok"]))
+            for r in d.get("dev_rows", {}).get("bridge", []) if r["family"] in HELDOUT]
 
 
 def _paired(d: dict, ref: dict | None) -> str:
@@ -35,11 +37,17 @@ def _paired(d: dict, ref: dict | None) -> str:
     from hf_kvreuse.cli import paired_difference
 
     a, b = _held_ok(d), _held_ok(ref)
-    keys = sorted(set(a) & set(b))
-    if not keys:
+    if [k for k, _ in a] == [k for k, _ in b]:  # the same dev folder: pair row by row (records of several seeds
+        x, y = [v for _, v in a], [v for _, v in b]  # share (family, record, direction) keys)
+    else:
+        da, db = dict(a), dict(b)
+        seen = [k for k, _ in a] + [k for k, _ in b]
+        keys = sorted(k for k in set(da) & set(db) if seen.count(k) == 2)  # a key met twice in one run: left out
+        x, y = [da[k] for k in keys], [db[k] for k in keys]
+    if not x:
         return " - |"
-    diff, lo, hi = paired_difference([a[k] for k in keys], [b[k] for k in keys])
-    return f" {100 * diff:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] (n={len(keys)}) |"
+    diff, lo, hi = paired_difference(x, y)
+    return f" {100 * diff:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] (n={len(x)}) |"
 
 
 def main(argv: list[str]) -> None:

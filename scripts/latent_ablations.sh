@@ -49,11 +49,17 @@ case "$1" in
 --stage1-examples 96 --stage1-steps 8 --compare shipped --out $D/runs/all_n16_amortised \
 --result $R/latent_train_all_n16_amortised.json ;;
   # session of 2026-12-04: the bridge also reads the donor's prefix (--donor), against the same run without it;
-  # plain set-up (no Tail-k, no LoRA) on the 224 training examples, evaluated on dev_big (268 examples)
+  # plain set-up (no Tail-k, no LoRA) and latents + Tail-16 (no LoRA), on the 224 training examples, evaluated on
+  # dev_big (268 examples)
   plain_base)  python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev_big --budget-cpu-s ${BF:-1200} \
 --lr 5e-3 --save-every 10 --threads 1 --out $RUNS/plain_base --result $R/latent_ablation_plain_base.json ;;
   plain_donor) python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev_big --budget-cpu-s ${BF:-1200} \
 --lr 5e-3 --save-every 10 --threads 1 --donor --out $RUNS/plain_donor --result $R/latent_ablation_plain_donor.json ;;
-  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_tail16_lora8|all_plain|all_n16_amortised|plain_base|plain_donor"
+  tail16_base)  python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev_big --budget-cpu-s ${BF:-1200} \
+--lr 5e-3 --save-every 10 --threads 1 --tail-tokens 16 --out $RUNS/tail16_base --result $R/latent_ablation_tail16_base.json ;;
+  tail16_donor) python -m hf_kvreuse.latent.train --data $D/train --dev $D/dev_big --budget-cpu-s ${BF:-1200} \
+--lr 5e-3 --save-every 10 --threads 1 --tail-tokens 16 --donor --out $RUNS/tail16_donor \
+--result $R/latent_ablation_tail16_donor.json ;;
+  *) echo "usage: $0 scratch|amortised|pooled|n4|n16|wide|tail16|final_plain|final_tail16|data_more|all_tail16|all_tail16_lora8|all_plain|all_n16_amortised|plain_base|plain_donor|tail16_base|tail16_donor"
      exit 2 ;;
 esac

@@ -395,8 +395,10 @@ def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(
 
 def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
     """scripts/latent_ablation_table.py --paired-against: held-out rows are matched by (family, record, direction),
-    training-family rows are left out of the difference. Planted bug that fails it: pairing by row order (the
-    reference's rows reversed then give the same mean difference with another interval)."""
+    training-family rows are left out of the difference; two runs over the same sequence of examples (a dev folder
+    of two seeds: keys repeat) pair row by row. Planted bugs that fail it: pairing by row order always (the
+    reference's rows reversed then give the same mean difference with another interval); pairing by key always
+    (the repeated keys collapse: n=10, not 20)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import latent_ablation_table
@@ -421,3 +423,13 @@ def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     # by example: 3 right in both, 3 only in `other` -> +30 [+1, +51]; by row order it would be +30 [-26, +70]
     assert last.split("|")[-2].strip() == "+30 [+1, +51] (n=10)"
+    # one dev folder with records of two seeds (keys repeat), the same order in both runs: paired row by row, all 20
+    ref2, ref2_path = run("ref2", lambda i: i < 3, True)
+    two = lambda d: d["dev_rows"]["bridge"][:10] * 2  # noqa: E731
+    ref2["dev_rows"]["bridge"] = two(ref2)
+    (tmp_path / "latent_ablation_ref2.json").write_text(json.dumps(ref2))
+    other2, other2_path = run("other2", lambda i: i < 6, False)
+    other2["dev_rows"]["bridge"] = two(other2)
+    (tmp_path / "latent_ablation_other2.json").write_text(json.dumps(other2))
+    latent_ablation_table.main(["--paired-against", ref2_path, other2_path])
+    assert capsys.readouterr().out.strip().splitlines()[-1].split("|")[-2].strip().endswith("(n=20)")
