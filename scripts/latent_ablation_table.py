@@ -5,8 +5,8 @@ JSON (config, CPU seconds per stage, teacher-forced figures on the dev records).
     python scripts/latent_ablation_table.py --paired-against benchmarks/results/latent_ablation_scratch_600.json \
         benchmarks/results/latent_ablation_*_600.json
 
-``--paired-against J``: a last column, the held-out accuracy of each row minus that of run ``J`` on the same dev
-examples, in points with a Newcombe 95% interval: row by row where both runs evaluated the same sequence of
+``--paired-against J``: two last columns, the accuracy on `retrieval` + `extract` and on all held-out families of
+each row minus that of run ``J`` on the same dev examples, in points with a Newcombe 95% interval: row by row where both runs evaluated the same sequence of
 examples (one dev folder may hold records of several seeds, whose (family, record, direction) keys repeat), else
 by (family, record, direction), keys met twice in a run left out.
 
@@ -19,24 +19,25 @@ import json
 import sys
 
 HELDOUT = ("retrieval", "extract", "code")
+LOOKUP = ("retrieval", "extract")  # the held-out families of the training families' shape (code is another shape)
 
 
 def pct(x: float) -> str:
     return "-" if x != x else f"{100 * x:.0f}%"
 
 
-def _held_ok(d: dict) -> list[tuple[tuple, int]]:
-    """``((family, record, direction), right)`` of the bridge on the held-out families, in evaluation order."""
+def _held_ok(d: dict, families=HELDOUT) -> list[tuple[tuple, int]]:
+    """``((family, record, direction), right)`` of the bridge on ``families``, in evaluation order."""
     return [((r["family"], r["record"], r["direction"]), int(r["ok"]))
-            for r in d.get("dev_rows", {}).get("bridge", []) if r["family"] in HELDOUT]
+            for r in d.get("dev_rows", {}).get("bridge", []) if r["family"] in families]
 
 
-def _paired(d: dict, ref: dict | None) -> str:
+def _paired(d: dict, ref: dict | None, families=HELDOUT) -> str:
     if ref is None:
         return ""
     from hf_kvreuse.cli import paired_difference
 
-    a, b = _held_ok(d), _held_ok(ref)
+    a, b = _held_ok(d, families), _held_ok(ref, families)
     if [k for k, _ in a] == [k for k, _ in b]:  # the same dev folder: pair row by row (records of several seeds
         x, y = [v for _, v in a], [v for _, v in b]  # share (family, record, direction) keys)
     else:
@@ -56,11 +57,12 @@ def main(argv: list[str]) -> None:
         ref_path, argv = argv[1], argv[2:]
         ref = json.load(open(ref_path))
     paths = argv
-    extra = f" held-out acc vs {ref_path.rsplit('latent_ablation_', 1)[-1].removesuffix('.json')} (pts, paired) |" \
+    name = ref_path.rsplit('latent_ablation_', 1)[-1].removesuffix('.json') if ref is not None else ""
+    extra = f" retrieval + extract acc vs {name} (pts, paired) | held-out acc vs {name} (pts, paired) |" \
         if ref is not None else ""
     print("| ablation | n | read | hidden | tail | stages (CPU s) | steps | held-out acc (reuse / full) | held-out rec "
           "| code rec | train-family dev rec | dev KL |" + extra)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ref is not None else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if ref is not None else ""))
     for path in paths:
         d = json.load(open(path))
         c, dev, br = d["config"], d.get("dev", {}), d["bridge"]
@@ -81,14 +83,14 @@ def main(argv: list[str]) -> None:
         print(f"| {name} | {c['n_latent']} | {read} | {c['hidden']} | {c['tail_tokens']} | {stages} | {br['step']} | "
               f"{pct(agg(held, 'acc'))} ({pct(agg(held, 'reuse_acc'))} / {pct(agg(held, 'full_acc'))}) | "
               f"{pct(rec(held))} | {pct(rec(['code']) if 'code' in dev else float('nan'))} | {pct(rec(tr))} | "
-              f"{agg(held + tr, 'kl'):.3f} |" + _paired(d, ref))
+              f"{agg(held + tr, 'kl'):.3f} |" + _paired(d, ref, LOOKUP) + _paired(d, ref))
         tail = d.get("dev_reuse_tail")
         if tail:  # the same dev records with Tail-k alone (no latents): the baseline of a latents + Tail-k row
             dev = tail
             print(f"| (Tail-{c['tail_tokens']} alone) | 0 | - | - | {c['tail_tokens']} | - | - | "
                   f"{pct(agg(held, 'acc'))} ({pct(agg(held, 'reuse_acc'))} / {pct(agg(held, 'full_acc'))}) | "
                   f"{pct(rec(held))} | {pct(rec(['code']) if 'code' in dev else float('nan'))} | {pct(rec(tr))} | "
-                  f"{agg(held + tr, 'kl'):.3f} |" + (" - |" if ref is not None else ""))
+                  f"{agg(held + tr, 'kl'):.3f} |" + (" - | - |" if ref is not None else ""))
 
 
 if __name__ == "__main__":
