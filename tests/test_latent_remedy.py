@@ -318,19 +318,28 @@ def test_batched_student_equals_each_alone(model):
                 torch.testing.assert_close(both[i], alone, atol=2e-4, rtol=2e-4)
 
 
+def _two_agents(seed: int, n_answer: int):
+    """A tiny model and both agents' teacher sides (data module) of one record: prefixes of 6 / 9 tokens, a shared
+    30-token block, a 7-token question."""
+    from hf_kvreuse.latent.data import teacher_side
+
+    m = enable(tiny_model("qwen2", seed=9))
+    pa, pb, blk, q = _parts(seed)
+    ia, ib = torch.cat([pa, blk, q], 1)[0].tolist(), torch.cat([pb, blk, q], 1)[0].tolist()
+    layers = (-1, 1)
+    sa = teacher_side(m, ia, (6, 36), n_answer=n_answer, top_k=8, read_layers=layers)
+    sb = teacher_side(m, ib, (9, 39), n_answer=n_answer, top_k=8, read_layers=layers)
+    return m, ia, ib, sa, sb, layers
+
+
 def test_two_forward_examples_match_the_caches_assembly():
     """The data module's examples (two full forwards per record, the donor block RoPE-moved) equal the trainer's
     examples built through the cache's own assembly: K/V, ids, teacher targets, prefix hidden states. Planted
     bug: the donor block moved by `ds - s` instead of `s - ds` -> K differs."""
-    from hf_kvreuse.latent.data import example_from_parts, teacher_side
+    from hf_kvreuse.latent.data import example_from_parts
     from hf_kvreuse.rope import RopeShifter
 
-    m = enable(tiny_model("qwen2", seed=9))
-    pa, pb, blk, q = _parts(30)
-    ia, ib = torch.cat([pa, blk, q], 1)[0].tolist(), torch.cat([pb, blk, q], 1)[0].tolist()
-    layers = (-1, 1)
-    sa = teacher_side(m, ia, (6, 36), n_answer=3, top_k=8, read_layers=layers)
-    sb = teacher_side(m, ib, (9, 39), n_answer=3, top_k=8, read_layers=layers)
+    m, ia, ib, sa, sb, layers = _two_agents(30, n_answer=3)
     got = example_from_parts(RopeShifter(m), sb, sa, read_layers=layers)
     want = make_example(m, torch.tensor([ib]), (9, 39), torch.tensor(ia[:6]), n_answer=3, top_k=8,
                         read_layers=layers)
@@ -712,15 +721,10 @@ def test_shards_pair_each_example_with_its_donor(tmp_path):
     """A shard written by the data module gives each direction of a record the other direction's prefix hidden
     states as its donor's (``load_shard``); the in-memory examples carry the same. Planted bug: `pair_donors`
     looking up the same direction (`f"{src}->{tgt}"`) -> each example gets its own prefix as its donor's."""
-    from hf_kvreuse.latent.data import example_from_parts, load_shard, save_shard, teacher_side
+    from hf_kvreuse.latent.data import example_from_parts, load_shard, save_shard
     from hf_kvreuse.rope import RopeShifter
 
-    m = enable(tiny_model("qwen2", seed=9))
-    pa, pb, blk, q = _parts(31)
-    ia, ib = torch.cat([pa, blk, q], 1)[0].tolist(), torch.cat([pb, blk, q], 1)[0].tolist()
-    layers = (-1, 1)
-    sa = teacher_side(m, ia, (6, 36), n_answer=2, top_k=8, read_layers=layers)
-    sb = teacher_side(m, ib, (9, 39), n_answer=2, top_k=8, read_layers=layers)
+    m, ia, ib, sa, sb, layers = _two_agents(31, n_answer=2)
     ab, ba = (example_from_parts(RopeShifter(m), sb, sa, layers), example_from_parts(RopeShifter(m), sa, sb, layers))
     for ex, d in ((ab, "a->b"), (ba, "b->a")):
         ex.meta = {"family": "fam", "record": 0, "direction": d}
@@ -728,4 +732,4 @@ def test_shards_pair_each_example_with_its_donor(tmp_path):
     save_shard(tmp_path / "fam_0-00000", [ab, ba])
     got = load_shard(tmp_path / "fam_0-00000")
     assert torch.equal(got[0].donor_feats, got[1].feats) and torch.equal(got[1].donor_feats, got[0].feats)
-    assert got[0].donor_feats.shape[1] == pa.shape[1]
+    assert got[0].donor_feats.shape[1] == 6  # agent a's prefix
