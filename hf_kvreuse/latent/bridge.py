@@ -74,7 +74,8 @@ class LatentBridge(nn.Module):
         the model's layers lack is refused.
     donor : bool, default=False
         Also read the donor's prefix (the tokens the reused block was computed after) the same way; the MLP sees
-        both read-outs. The cache then needs every reused block's donor prefix (``block_prefix_ids``).
+        both read-outs. The cache reads the donor prefix of the last reused block (``block_prefix_ids``) and refuses
+        a last block computed standalone.
     """
 
     def __init__(self, model, n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1,
