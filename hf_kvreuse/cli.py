@@ -438,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated workflow shapes: {', '.join(SHAPES)}")
     b.add_argument("--methods", type=_csv(str), default=["full", "prefix", "auto"], metavar="METHODS",
                    help=f"comma-separated session policies or named modes ({', '.join(runnable)}; "
-                   "hf_kvreuse.session.MODES); full always runs first")
+                   "hf_kvreuse.session.MODES), each optionally with cache options for an ablation, "
+                   "e.g. auto-verify:max_optimistic_tokens=4 (the whole spec names its records); full always "
+                   "runs first")
     b.add_argument("--context-tokens", type=_csv(int), default=[1000], metavar="N[,N...]",
                    help="document sizes in tokens (SQuAD passages of one article joined to about this size)")
     b.add_argument("--n", type=int, default=5, help="questions per cell")
@@ -465,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .session import MODES
+    from .session import MODES, resolve_mode
     from .workflows.graphs import SHAPES
 
     args = build_parser().parse_args(argv)
@@ -473,7 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(merge(args.files, Path(args.out))["summary"])
         return 0
     for m in args.methods:
-        if m not in MODES or m in ("translated", "base_lr"):
+        try:
+            resolve_mode(m)
+        except ValueError as e:
+            raise SystemExit(f"--methods: {e}") from None
+        if m.split(":")[0] in ("translated", "base_lr"):
             runnable = [p for p in MODES if p not in ("translated", "base_lr")]
             raise SystemExit(f"--methods: {m!r} is not a session policy the bench can run ({runnable}; translated "
                              "needs a source model and a map, base_lr a peft model)")

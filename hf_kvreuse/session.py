@@ -60,6 +60,29 @@ MODES: dict[str, dict] = {
 }
 
 
+def resolve_mode(spec: str) -> dict:
+    """The :class:`ReuseSession` arguments of a named mode, optionally with options for its cache class appended
+    as ``:key=value`` (``"auto-verify:max_optimistic_tokens=4"``; values are Python literals, so ``4``, ``0.5``,
+    ``None`` or ``'blend'``); they update the mode's ``method_kwargs``. The ablation syntax of ``hf-kvreuse bench
+    --methods``, where the whole spec names the method's records."""
+    import ast
+
+    name, *options = spec.split(":")
+    if name not in MODES:
+        raise ValueError(f"method={spec!r}: choose one of {sorted(MODES)}, optionally with ':key=value' options")
+    mode = dict(MODES[name])
+    mk = dict(mode.pop("method_kwargs", {}))
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"method={spec!r}: option {option!r} is not key=value")
+        try:
+            mk[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            mk[key] = value  # a bare word: a string (repair=blend)
+    return dict(mode, method_kwargs=mk)
+
+
 @dataclass
 class SessionStats:
     """One :meth:`ReuseSession.generate` call (times in seconds, token counts of the prompt unless named).
@@ -277,12 +300,11 @@ class ReuseSession:
 
     @classmethod
     def for_method(cls, model, method: str, **kwargs) -> "ReuseSession":
-        """A session for one of the named :data:`MODES` (e.g. ``"auto-commit"``); ``kwargs`` go to the constructor
-        (``method_kwargs`` given here update the mode's)."""
-        if method not in MODES:
-            raise ValueError(f"method={method!r}: choose one of {sorted(MODES)}")
-        mode = dict(MODES[method])
-        mk = {**mode.pop("method_kwargs", {}), **(kwargs.pop("method_kwargs", None) or {})}
+        """A session for one of the named :data:`MODES` (e.g. ``"auto-commit"``, or with cache options as
+        :func:`resolve_mode` reads them, ``"auto-verify:max_optimistic_tokens=4"``); ``kwargs`` go to the
+        constructor (``method_kwargs`` given here update the mode's)."""
+        mode = resolve_mode(method)
+        mk = {**mode.pop("method_kwargs"), **(kwargs.pop("method_kwargs", None) or {})}
         return cls(model, **{**mode, **kwargs}, method_kwargs=mk)
 
     # -- what is held ----------------------------------------------------------------------------------------

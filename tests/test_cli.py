@@ -21,6 +21,15 @@ def test_every_option_has_help():
         build_parser().parse_args(["bench", "--model", "no/such/folder"])
 
 
+def test_bench_refuses_a_bad_method_spec_before_loading():
+    """``--methods`` specs are checked before any model loads: an unknown mode, a malformed option, a policy the
+    bench cannot run."""
+    for spec, match in (("auto-verfy", "auto-verfy"), ("auto-verify:4", "not key=value"),
+                        ("translated:ratio=0.3", "needs a source model")):
+        with pytest.raises(SystemExit, match=match):
+            main(["bench", "--methods", spec, "--out", "/nonexistent/never"])
+
+
 @pytest.fixture(scope="module")
 def model_folder(smollm2, tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer (and chat template), saved as any user's model folder."""

@@ -337,3 +337,24 @@ def test_base_lr_policy_is_base_lr_cache(method):
             assert s.last_stats.exact_prefix_tokens > 0
         assert s.last_stats.exact == (method == "nonshared") and s.nbytes > 0
         ids = torch.cat([got, toks(6, 10 + turn)], 1)
+
+
+def test_mode_options_reach_the_cache_class(model):
+    """``"MODE:key=value"`` (``hf-kvreuse bench --methods``'s ablation syntax) updates the named mode's
+    ``method_kwargs``; bad specs are refused naming the spec.
+
+    Planted bug that fails it: ``resolve_mode`` drops the options (every spec runs its plain mode)."""
+    from hf_kvreuse.session import resolve_mode
+
+    assert resolve_mode("prefix") == dict(policy="prefix", method_kwargs={})
+    assert resolve_mode("auto-verify:max_optimistic_tokens=4") == dict(
+        policy="auto", rebase="verify", method_kwargs=dict(max_optimistic_tokens=4))
+    assert resolve_mode("auto-commit-gate:gate=0.3:max_optimistic_tokens=None")["method_kwargs"] == dict(
+        gate=0.3, max_optimistic_tokens=None)
+    assert resolve_mode("auto-commit-repair:repair=epic")["method_kwargs"] == dict(repair="epic", repair_ratio=0.15)
+    s = ReuseSession.for_method(model, "auto-verify:max_optimistic_tokens=2", method_kwargs=dict(min_span=3))
+    assert (s.policy, s.rebase) == ("auto", "verify")
+    assert s.method_kwargs == dict(max_optimistic_tokens=2, min_span=3)
+    for bad in ("nope", "auto:4", "auto:=3", "auto:max optimistic=1"):
+        with pytest.raises(ValueError, match="method="):
+            resolve_mode(bad)
