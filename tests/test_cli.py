@@ -48,10 +48,11 @@ def model_folder(smollm2, tmp_path_factory):
 def test_bench_on_a_model_folder(model_folder, tmp_path):
     out = tmp_path / "b"
     assert main(["bench", "--model", str(model_folder), "--dtype", "fp32", "--n", "1", "--workflows", "chain",
-                 "--methods", "prefix", "--context-tokens", "120", "--max-new-tokens", "2", "--out", str(out)]) == 0
+                 "--methods", "prefix,auto-verify:max_optimistic_tokens=2", "--context-tokens", "120",
+                 "--max-new-tokens", "2", "--out", str(out)]) == 0
     res = json.loads((out / "bench.json").read_text())
     assert res["complete"] and res["config"]["model"] == str(model_folder)
-    assert {r["method"] for r in res["summary"]} == {"full", "prefix"}
+    assert {r["method"] for r in res["summary"]} == {"full", "prefix", "auto-verify:max_optimistic_tokens=2"}
 
 
 @pytest.mark.slow
