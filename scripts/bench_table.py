@@ -19,7 +19,7 @@ gated (at the first token) and had rows repaired.
 
 ``--ttft-against METHOD`` adds a third: every other method's TTFT over METHOD's call by call (the same workflow,
 question and turn), the median of those per-call ratios, the ratio of the medians, and the share of calls at or
-under half of METHOD's. Use it on runs where both methods ran in the same process (``bench --methods
+under half of METHOD's, and the median per question of the end-to-end time over METHOD's. Use it on runs where both methods ran in the same process (``bench --methods
 prefix,...``): TTFTs from runs of different days are not comparable on a shared CPU.
 
     python scripts/bench_table.py benchmarks/results/bench/gate_repair_fp32/bench.json --ttft-against prefix
@@ -115,9 +115,11 @@ def ttft_table(result: dict, against: str) -> str:
     by = by_method(result, against, "--ttft-against")
     base = by[against]
     lines = [f"| method | calls (questions) | TTFT / {against}'s, median per call | ratio of medians "
-             f"| calls at <= 0.5x | first verified / {against}'s TTFT, median per call |", "|---|---|---|---|---|---|"]
+             f"| calls at <= 0.5x | first verified / {against}'s TTFT, median per call "
+             f"| end to end / {against}'s, median per question |", "|---|---|---|---|---|---|---|"]
     for m, recs, keys in compared(by, against):
         first, verified, mine, theirs = [], [], [], []
+        e2e = [recs[k]["e2e_s"] / base[k]["e2e_s"] for k in keys if "e2e_s" in recs[k] and "e2e_s" in base[k]]
         for k in keys:
             for t, b in zip(recs[k]["turns"], base[k]["turns"]):
                 ref = b["stats"]["ttft_s"]
@@ -130,7 +132,8 @@ def ttft_table(result: dict, against: str) -> str:
             continue
         lines.append(f"| {m} | {len(first)} ({len(keys)}) | {statistics.median(first):.2f} | "
                      f"{statistics.median(mine) / statistics.median(theirs):.2f} | "
-                     f"{100 * sum(x <= 0.5 for x in first) / len(first):.0f}% | {statistics.median(verified):.2f} |")
+                     f"{100 * sum(x <= 0.5 for x in first) / len(first):.0f}% | {statistics.median(verified):.2f} | "
+                     f"{f'{statistics.median(e2e):.2f}' if e2e else '-'} |")
     return "\n".join(lines)
 
 

@@ -315,7 +315,7 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
     the first token decoded (``draft_ttft_s``) and the first verified one (``stats.ttft_s``); a question the
     baseline did not run is left out; ``--by-turn`` the same per turn index, with the baseline's TTFT over full's, its
     reused prompt share and the optimistic / gated-at-token-1 counts; ``--calls`` the per-method counts. Planted
-    bugs that fail it: pairing by record order in ``ttft_table`` or in ``calls_table`` (the baseline's and full
+    bugs that fail it: pairing by record order in ``ttft_table`` (TTFT or end to end) or in ``calls_table`` (the baseline's and full
     prefill's records are in another order here)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -331,11 +331,13 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
 
     base = [rec("prefix", "q0", [1.0, 2.0]), rec("prefix", "q1", [4.0, 4.0])]
     mine = [rec("m", "q0", [1.0, 4.0], drafts=[0.5, 4.0]), rec("m", "q1", [1.0, 1.0]), rec("m", "q9", [9.0, 9.0])]
+    for r, e2e in zip(base + mine, (10.0, 20.0, 15.0, 10.0, 1.0)):
+        r["e2e_s"] = e2e
     lines = bench_table.ttft_table({"records": base[::-1] + mine}, "prefix").splitlines()
     cols = [c.strip() for c in lines[2].split("|")]
     # shown ratios 0.5, 2, 0.25, 0.25 -> median 0.375; medians of the times 1 / 3; 3 of 4 at <= 0.5;
-    # verified ratios 1, 2, 0.25, 0.25 -> 0.625
-    assert cols[1:7] == ["m", "4 (2)", "0.38", "0.33", "75%", "0.62"]
+    # verified ratios 1, 2, 0.25, 0.25 -> 0.625; end to end per question 15/10, 10/20 -> 1.0
+    assert cols[1:8] == ["m", "4 (2)", "0.38", "0.33", "75%", "0.62", "1.00"]
     with pytest.raises(SystemExit, match="has methods"):
         bench_table.ttft_table({"records": mine}, "prefix")
     # --by-turn: per turn index, over the questions full, prefix and the method all ran
