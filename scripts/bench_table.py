@@ -14,6 +14,9 @@ METHOD's, over the questions both ran (paired Newcombe 95% intervals), and how m
 ``--with OTHER.json`` (repeatable) adds the methods of other runs on the same questions to the paired table (a
 method already in the first file keeps its records there): e.g. a new mode against the table it extends.
 
+``--same-questions OTHER.json LABEL`` adds each method's final-answer agreement here and in OTHER (another setting
+of the same questions, e.g. 16 instead of 128 new tokens), paired by question.
+
 ``--calls`` adds, per method, how many replies equal full prefill's and how many calls decoded optimistically, were
 gated (at the first token) and had rows repaired.
 
@@ -165,6 +168,26 @@ def ttft_by_turn(result: dict, against: str) -> str:
     return "\n".join(lines)
 
 
+def same_questions_table(result: dict, other: dict, label: str) -> str:
+    """Per method run in both: final-answer agreement with full prefill here and in ``other`` (another setting,
+    e.g. fewer new tokens) over the questions both ran, and the paired difference (Newcombe 95% interval)."""
+    from hf_kvreuse.cli import paired_difference
+
+    mine = by_method(result, "full", "this run's full prefill:")
+    theirs = by_method(other, "full", f"{label}'s full prefill:")
+    lines = [f"| method | n (paired) | final answer = full's here | in {label} | here minus {label} [95% CI] |",
+             "|---|---|---|---|---|"]
+    for m, recs in mine.items():
+        keys = sorted(set(recs) & set(theirs.get(m, {})))
+        if m == "full" or not keys:
+            continue
+        x, y = [bool(recs[k]["agrees"]) for k in keys], [bool(theirs[m][k]["agrees"]) for k in keys]
+        d, lo, hi = paired_difference(x, y)
+        lines.append(f"| {m} | {len(keys)} | {sum(x)}/{len(x)} | {sum(y)}/{len(y)} | "
+                     f"{100 * d:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] |")
+    return "\n".join(lines)
+
+
 def calls_table(result: dict) -> str:
     """Per method, over all its calls: how many replies equal full prefill's (same question and turn), how many
     decoded from an optimistic cache, were gated (at any step; at the first token), and the median rows repaired."""
@@ -201,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also: replies equal to full prefill's, optimistic, gated and repaired counts per method")
     p.add_argument("--with", dest="others", action="append", default=[], metavar="OTHER_JSON",
                    help="with --paired-against: also the methods of these bench.json files (same questions)")
+    p.add_argument("--same-questions", nargs=2, metavar=("OTHER_JSON", "LABEL"),
+                   help="also: each method's final-answer agreement here and in OTHER_JSON (another setting) over "
+                   "the questions both ran, paired")
     a = p.parse_args(argv)
     result = json.loads(Path(a.bench_json).read_text())
     print(table(result))
@@ -211,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print(paired_table(with_methods_of(result, [json.loads(Path(f).read_text()) for f in a.others]),
                            a.paired_against))
+    if a.same_questions:
+        print()
+        print(same_questions_table(result, json.loads(Path(a.same_questions[0]).read_text()), a.same_questions[1]))
     if a.ttft_against:
         print()
         print(ttft_table(result, a.ttft_against))

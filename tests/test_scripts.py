@@ -435,3 +435,27 @@ def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
     (tmp_path / "latent_ablation_other2.json").write_text(json.dumps(other2))
     latent_ablation_table.main(["--paired-against", ref2_path, other2_path])
     assert capsys.readouterr().out.strip().splitlines()[-1].split("|")[-2].strip().endswith("(n=20)")
+
+
+def test_bench_table_same_questions_pairs_two_settings_by_question():
+    """scripts/bench_table.py --same-questions: a method's agreement here and in another run, over the questions
+    both ran (others left out), paired. Planted bug that fails it: pairing the two runs' records by order."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_table
+    finally:
+        sys.path.pop(0)
+
+    def rec(method, q, agrees):
+        return dict(workflow="w", context_tokens=1000, question=q, method=method, agrees=agrees, correct=agrees)
+
+    here = {"records": [rec("full", f"q{i}", True) for i in range(6)] + [rec("m", f"q{i}", i < 2) for i in range(6)]}
+    other = {"records": [rec("full", f"q{i}", True) for i in range(10)]
+             + [rec("m", f"q{i}", i >= 4) for i in reversed(range(10))] + [rec("only_there", "q0", True)]}
+    lines = bench_table.same_questions_table(here, other, "16 tokens").splitlines()
+    assert len(lines) == 3
+    cols = [c.strip() for c in lines[2].split("|")]
+    # here q0, q1 agree; there q4, q5 (of q0-q5): -0 difference overall, but 2/6 vs 2/6 on other questions
+    assert cols[1:5] == ["m", "6", "2/6", "2/6"] and cols[5].startswith("+0 [")
+    with pytest.raises(SystemExit, match="full prefill"):
+        bench_table.same_questions_table(here, {"records": [rec("m", "q0", True)]}, "x")
