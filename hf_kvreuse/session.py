@@ -60,6 +60,18 @@ MODES: dict[str, dict] = {
 }
 
 
+def _cache_options() -> set[str]:
+    """Keyword parameters of the cache classes a session builds."""
+    import inspect
+
+    from . import cache_classes
+
+    classes = [getattr(cache_classes, n) for n in ("OptimisticCache", "DirectReuseCache", "BlendCache", "EPICCache",
+                                                   "TailRecomputeCache", "OffsetCache", "LatentRemedyCache",
+                                                   "BaseLRCache", "TranslatedCache")]
+    return {p for c in classes for p in inspect.signature(c.__init__).parameters if p not in ("self", "model")}
+
+
 def resolve_mode(spec: str) -> dict:
     """The :class:`ReuseSession` arguments of a named mode, optionally with options for its cache class appended
     as ``:key=value`` (``"auto-verify:max_optimistic_tokens=4"``; values are Python literals, so ``4``, ``0.5``,
@@ -72,10 +84,13 @@ def resolve_mode(spec: str) -> dict:
         raise ValueError(f"method={spec!r}: choose one of {sorted(MODES)}, optionally with ':key=value' options")
     mode = dict(MODES[name])
     mk = dict(mode.pop("method_kwargs", {}))
+    known = _cache_options() if options else set()
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or not key.isidentifier():
             raise ValueError(f"method={spec!r}: option {option!r} is not key=value")
+        if key not in known:  # a typo fails here, not at the first call of a long run
+            raise ValueError(f"method={spec!r}: {key!r} is not an option of any hf_kvreuse cache class")
         try:
             mk[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -22,8 +22,8 @@ gated (at the first token) and had rows repaired.
 
 ``--ttft-against METHOD`` adds a third: every other method's TTFT over METHOD's call by call (the same workflow,
 question and turn), the median of those per-call ratios, the ratio of the medians, and the share of calls at or
-under half of METHOD's, and the median per question of the end-to-end time over METHOD's. Use it on runs where both methods ran in the same process (``bench --methods
-prefix,...``): TTFTs from runs of different days are not comparable on a shared CPU.
+under half of METHOD's, and the median per question of the end-to-end time over METHOD's. Use it on runs where
+both methods ran in the same process (``bench --methods prefix,...``): TTFTs from runs of different days are not comparable on a shared CPU.
 
     python scripts/bench_table.py benchmarks/results/bench/gate_repair_fp32/bench.json --ttft-against prefix
 

@@ -25,7 +25,8 @@ def test_bench_refuses_a_bad_method_spec_before_loading():
     """``--methods`` specs are checked before any model loads: an unknown mode, a malformed option, a policy the
     bench cannot run."""
     for spec, match in (("auto-verfy", "auto-verfy"), ("auto-verify:4", "not key=value"),
-                        ("translated:ratio=0.3", "needs a source model")):
+                        ("translated:recompute_ratio=0.3", "needs a source model"),
+                        ("auto-verify:max_optimstic_tokens=4", "not an option of any")):
         with pytest.raises(SystemExit, match=match):
             main(["bench", "--methods", spec, "--out", "/nonexistent/never"])
 

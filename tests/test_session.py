@@ -355,6 +355,8 @@ def test_mode_options_reach_the_cache_class(model):
     s = ReuseSession.for_method(model, "auto-verify:max_optimistic_tokens=2", method_kwargs=dict(min_span=3))
     assert (s.policy, s.rebase) == ("auto", "verify")
     assert s.method_kwargs == dict(max_optimistic_tokens=2, min_span=3)
-    for bad in ("nope", "auto:4", "auto:=3", "auto:max optimistic=1"):
+    for bad in ("nope", "auto:4", "auto:=3", "auto:max optimistic=1", "auto-verify:max_optimstic_tokens=4"):
         with pytest.raises(ValueError, match="method="):
             resolve_mode(bad)
+    with pytest.raises(ValueError, match="not an option of any"):
+        ReuseSession.for_method(model, "auto-commit:gat=0.5")
