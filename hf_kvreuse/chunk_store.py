@@ -141,13 +141,14 @@ class ChunkStore:
     def get_or_compute(self, model, token_ids, prefix_ids=None, adapter: str | None = None,
                        producer: str | None = None) -> KVChunk:
         """The chunk of ``token_ids`` computed under ``prefix_ids`` (None: standalone at position 0)."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).cpu()
         producer = producer or model_fingerprint(model)
         chunk = self.get(model, token_ids, prefix_ids, adapter, producer)
         if chunk is not None:
             return chunk
         device = input_device(model)
-        prefix = torch.as_tensor(prefix_ids if prefix_ids is not None else [], dtype=torch.long).reshape(1, -1)
+        # ids may come from the caller's device: build on the CPU, then move the whole sequence to the model's
+        prefix = torch.as_tensor(prefix_ids if prefix_ids is not None else [], dtype=torch.long).reshape(1, -1).cpu()
         ids = torch.cat([prefix, token_ids], 1).to(device)
         cache = DynamicCache(config=model.config)
         model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))

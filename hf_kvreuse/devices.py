@@ -23,11 +23,21 @@ def decoder_layers(model) -> nn.ModuleList | None:
     return None
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current device), so it compares equal to the device a tensor reports."""
+    if device.index is None and device.type not in ("cpu", "meta"):
+        try:
+            return torch.empty(0, device=device).device
+        except (RuntimeError, AssertionError):  # a device type this torch build cannot allocate on: as given
+            return device
+    return device
+
+
 def _module_device(module: nn.Module) -> torch.device | None:
     hook = getattr(module, "_hf_hook", None)
     device = getattr(hook, "execution_device", None)
     if device is not None:  # accelerate: where the module computes, whatever holds its weights between calls
-        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        return _indexed(torch.device(device if not isinstance(device, int) else f"cuda:{device}"))
     for p in module.parameters():
         return p.device
     return None

@@ -155,14 +155,22 @@ def deviation_topk(new: torch.Tensor, old: torch.Tensor, candidates: torch.Tenso
     return dv.deviation_topk(new, old, candidates, k, use_triton=_backend_all(new, old) == "triton")
 
 
+LOWRANK_DECODE_TORCH_MAX_QUERIES = 4
+
+
 def lowrank_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, L: torch.Tensor,
                       Bw: torch.Tensor, s: torch.Tensor, attention_mask: torch.Tensor | None,
                       scaling: float) -> torch.Tensor:
     """PReCache's low-rank value attention ``P·V_base + s·(P·L)·B`` (``[B, q, H, D]``), through the backend
-    :func:`backend` picks for ``value``; see :mod:`hf_kvreuse.triton.lowrank_attention`."""
+    :func:`backend` picks for ``value``, except that under ``auto`` up to :data:`LOWRANK_DECODE_TORCH_MAX_QUERIES`
+    query rows (decode) run on torch, measured faster there; see :mod:`hf_kvreuse.triton.lowrank_attention`."""
     from .triton.lowrank_attention import lowrank_attention_torch, lowrank_attention_triton
 
-    if backend(value) == "triton":
+    # under auto, decode-sized queries stay on torch: there the split-key kernel ran at 0.76-0.80x the torch path on
+    # an H200 (4 queries over 4k-32k tokens, bf16), while prefill ran 3.5-4.1x faster
+    # (benchmarks/results/gpu/gpu_check.json)
+    decode = query.shape[2] <= LOWRANK_DECODE_TORCH_MAX_QUERIES and mode() == "auto"
+    if backend(value) == "triton" and not decode:
         return lowrank_attention_triton(query, key, value, L, Bw, s, attention_mask, scaling)
     return lowrank_attention_torch(query, key, value, L, Bw, s, attention_mask, scaling)
 

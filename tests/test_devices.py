@@ -76,3 +76,19 @@ def test_per_device_copies_are_made_once():
     assert pd.on(torch.device("cpu")) is t
     m1 = pd.on(torch.device("meta"))
     assert m1 is pd.on(torch.device("meta")) and m1.device.type == "meta"
+
+
+def test_hook_devices_are_indexed():
+    """accelerate's execution devices come back indexed (``cuda`` -> ``cuda:N``), so they compare equal to the
+    devices tensors report; CPU and meta stay as they are; a device this build cannot use is returned as given.
+
+    Planted bug that fails it (on a CUDA machine; here only the fallback is checked): ``_module_device`` returns
+    the hook's unindexed device (``device('cuda') != device('cuda:0')``: seen failing tests/test_gpu.py on an
+    H200)."""
+    from hf_kvreuse.devices import _indexed
+
+    assert _indexed(torch.device("cpu")) == torch.device("cpu")
+    assert _indexed(torch.device("meta")) == torch.device("meta")
+    cuda = _indexed(torch.device("cuda"))
+    assert cuda == (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                    else torch.device("cuda"))

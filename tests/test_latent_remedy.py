@@ -733,3 +733,18 @@ def test_shards_pair_each_example_with_its_donor(tmp_path):
     got = load_shard(tmp_path / "fam_0-00000")
     assert torch.equal(got[0].donor_feats, got[1].feats) and torch.equal(got[1].donor_feats, got[0].feats)
     assert got[0].donor_feats.shape[1] == 6  # agent a's prefix
+
+
+def test_bridge_cast_to_bf16_with_its_model():
+    """A model and its bridge cast to bfloat16 together run LatentRemedyCache, and the first-step logits stay within
+    bf16 rounding of the float32 run (same tokens on this prompt).
+
+    Planted bug that fails it: ``LatentBridge.forward`` feeds its float32 read-outs to the MLP whatever the MLP's
+    dtype (``mat1 and mat2 must have the same dtype``; first seen on an H200 in tests/test_gpu.py)."""
+    from cache_zoo import CacheZoo
+
+    if not HAS_QUERY_OFFSET:
+        pytest.skip("latent tokens need transformers>=5.17")
+    bf16, fp32 = CacheZoo("cpu", torch.bfloat16).run("latent"), CacheZoo("cpu").run("latent")
+    assert torch.equal(bf16["tokens"], fp32["tokens"])
+    assert (bf16["logits"][0] - fp32["logits"][0]).abs().max() < 0.2

@@ -469,3 +469,21 @@ def test_fingerprint_sees_every_element_and_reads_each_version_once(monkeypatch)
         e = swapped.model.embed_tokens.weight
         e[3, 0], e[5, 1] = e[5, 1].clone(), e[3, 0].clone()
     assert model_fingerprint(swapped) != before
+
+
+def test_generate_moves_the_prompt_to_the_models_input_device(monkeypatch):
+    """A prompt on another device than the model's inputs (CPU ids, CUDA model: transformers accepts it and keeps
+    the sequence there) moves to the model's input device, mask too, before a cache reads it: the caches' own
+    forwards, positions and logits processors then see one device. Here ``meta`` stands in for the model's device
+    (no second device on CPU); a real generate on CPU is unchanged.
+
+    Planted bug that fails it: ``_to_input_device`` skips ``attention_mask`` (a CPU mask beside CUDA ids)."""
+    ids, mask = torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)
+    monkeypatch.setattr(mixin, "input_device", lambda model: torch.device("meta"))
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 2}
+    mixin._to_input_device(None, kwargs)
+    assert kwargs["input_ids"].device.type == "meta" and kwargs["attention_mask"].device.type == "meta"
+    assert kwargs["max_new_tokens"] == 2 and ids.device.type == "cpu"  # the caller's tensors are not touched
+    kwargs = {"inputs": ids}
+    mixin._to_input_device(None, kwargs)
+    assert kwargs["inputs"].device.type == "meta"

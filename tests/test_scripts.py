@@ -459,3 +459,22 @@ def test_bench_table_same_questions_pairs_two_settings_by_question():
     assert cols[1:5] == ["m", "6", "2/6", "2/6"] and cols[5].startswith("+0 [")
     with pytest.raises(SystemExit, match="full prefill"):
         bench_table.same_questions_table(here, {"records": [rec("m", "q0", True)]}, "x")
+
+
+def test_gpu_table_reads_a_gpu_check():
+    """scripts/gpu_table.py renders the committed gpu_check.json: test counts per step (the failed ones named),
+    every kernel at every length (bandwidth only for memory-bound ones), OptimisticCache's rows. Planted bug that
+    fails it: cells looked up by row order instead of (kernel, tokens) (the rows are interleaved by length)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_table.py"),
+                          str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_check.json")],
+                         capture_output=True, text=True, check=True).stdout
+    doc = json.loads((ROOT / "benchmarks" / "results" / "gpu" / "gpu_check.json").read_text())
+    n_fail = sum(t["outcome"] == "failed" for t in doc["tests"])
+    assert out.count("- failed: ") == n_fail
+    rope = {r["tokens"]: r for r in doc["kernels"]["rows"] if r["kernel"] == "rope_rebase"}
+    line = next(ln for ln in out.splitlines() if ln.startswith("| rope_rebase |"))
+    assert [c.strip() for c in line.split("|")[2:-1]] == [
+        f"{rope[t]['speedup']:.2f}x; {100 * rope[t]['peak_fraction']:.0f} %" for t in sorted(rope)]
+    assert "| lowrank_attention_prefill |" in out and "; " not in next(
+        ln for ln in out.splitlines() if ln.startswith("| lowrank_attention_prefill |"))
+    assert out.count("| optimistic | ") == len(doc["optimistic"]["rows"])

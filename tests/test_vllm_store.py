@@ -248,3 +248,24 @@ def test_hf_prefix_round_trip_and_session(saved, tmp_path):
     assert torch.equal(out, ref.sequences)
     with pytest.raises(ModelMismatchError):
         to_session(store, ReuseSession(enable(tiny_model("llama", seed=5))), folder=folder)
+
+
+def test_hf_loaders_put_each_layer_on_its_device(saved, tmp_path, monkeypatch):
+    """A model split over devices gets each layer's K/V on that layer's device from ``load_prefix`` (``meta``
+    stands in for a second device here, as in tests/test_devices.py).
+
+    Planted bug that fails it: the loaders move every layer to the first parameter's device (the code before this
+    change)."""
+    from hf_kvreuse.kv import kv_of
+    from hf_kvreuse.vllm import hf
+
+    model, folder = saved
+    store = KVDirStore(tmp_path)
+    ids = toks(20, 3)
+    cache, _ = exact_prefill(model, ids)
+    save_cache(store, model, ids, cache, folder=folder)
+    n_layers = model.config.num_hidden_layers
+    devices = [torch.device("cpu")] * (n_layers // 2) + [torch.device("meta")] * (n_layers - n_layers // 2)
+    monkeypatch.setattr(hf, "layer_devices", lambda m: devices)
+    pre, n = load_prefix(store, model, torch.cat([ids, toks(3, 4)], 1), folder=folder)
+    assert n == 20 and [k.device for k, _ in kv_of(pre)] == devices == [v.device for _, v in kv_of(pre)]

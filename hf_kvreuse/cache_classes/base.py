@@ -283,6 +283,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         processors = getattr(self, "logits_processor", None)
         if not processors:
             return logits.float()
+        history = history.to(logits.device)  # processors index the logits with the ids (repetition penalty)
         rows = [processors(history[:, :start + i], logits[i:i + 1].float()) for i in range(logits.shape[0])]
         return torch.cat(rows, 0)
 

@@ -216,7 +216,8 @@ class LatentRemedyCache(BlockReuseCache):
             start = cut + 1
         if start < n_layers:
             partial_forward(self.model, ids, rows, kv, layers=range(start, n_layers), hidden_states=hidden)
-        return torch.stack([grabbed[n_layers - 1 if x < 0 else x] for x in self.bridge.layers])
+        first = grabbed[n_layers - 1 if self.bridge.layers[0] < 0 else self.bridge.layers[0]].device
+        return torch.stack([grabbed[n_layers - 1 if x < 0 else x].to(first) for x in self.bridge.layers])
 
     def donor_features(self) -> list[torch.Tensor]:
         """A ``donor=True`` bridge's read-out of the donor prefix: the tokens the last reused block (the one the
@@ -288,7 +289,7 @@ class LatentRemedyCache(BlockReuseCache):
             return next_sequence_length, {}
         fed = next_sequence_length or (input_ids.shape[1] - self.get_seq_length())
         start = self.physical_length()
-        pos = torch.arange(start, start + fed, device=input_ids.device)[None]
+        pos = torch.arange(start, start + fed, device=self.input_ids.device)[None]  # the model's input device
         # generate's 2D mask counts prompt tokens only; the causal mask is sized on the physical cache
         # (get_query_offset) and batch 1 has no padding to carry
         return next_sequence_length, {"position_ids": pos, "attention_mask": None}

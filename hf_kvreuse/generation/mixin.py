@@ -36,9 +36,11 @@ import copyreg
 import functools
 import inspect
 
+import torch
 from transformers import GenerationMixin
 
 from ..compat import CACHE_KW, CACHE_NAMES, find_cache, output_cache, prepare_inputs
+from ..devices import input_device
 from ..fingerprint import tag_producer
 from ..inputs import unpack_generate_inputs
 from .protocol import ReuseCacheHooks
@@ -120,6 +122,7 @@ class KVReuseGenerationMixin(GenerationMixin):
         cache = _find_cache(kwargs)
         if cache is None:
             return self._plain_generate(**kwargs)
+        _to_input_device(self, kwargs)
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             input_ids = kwargs.get("inputs")
@@ -265,6 +268,20 @@ def _generation_target(model):
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
         return model.get_base_model()
     return model
+
+
+def _to_input_device(model, kwargs: dict) -> None:
+    """Move the prompt (and its mask) to the model's input device, where the cache keeps its own copy of the ids.
+
+    transformers accepts ids on another device (CPU ids, CUDA model): it keeps the growing sequence there and moves
+    only each forward's inputs. The caches' own forwards, position ids and logits processors read that sequence, so
+    on a GPU they would mix devices; moving it once here keeps every tensor of the call on one device (the returned
+    sequences are then on the model's device, as for ids passed there)."""
+    device = input_device(model)
+    for key in ("input_ids", "inputs", "attention_mask"):
+        t = kwargs.get(key)
+        if isinstance(t, torch.Tensor) and t.device != device:
+            kwargs[key] = t.to(device)
 
 
 def enable(model):

@@ -131,7 +131,7 @@ class LatentBridge(nn.Module):
         f = self._unit(f.float())
         parts = [f[:, -1]]
         if self.query is not None:
-            w = torch.softmax((f @ self.query[:, :, None])[..., 0] / self.d, dim=-1)  # [R, T]
+            w = torch.softmax((f @ self.query.float()[:, :, None])[..., 0] / self.d, dim=-1)  # [R, T]
             parts.append(self._unit((w[..., None] * f).sum(1)))
         return parts
 
@@ -159,9 +159,11 @@ class LatentBridge(nn.Module):
             donor = [x[None, None] for x in donor] if isinstance(donor, torch.Tensor) else donor
         x = self.encode(list(h), None if donor is None else list(donor))
         if self.mlp is None:
-            return self.base[None].expand(x.shape[0], 0, self.d)
-        out = self.mlp(x).reshape(x.shape[0], self.n_latent, self.d) * self.scale / (self.d ** 0.5)
-        return self.base[None] + out
+            return self.base.float()[None].expand(x.shape[0], 0, self.d)
+        # read-outs are float32; a bridge cast to bf16 (with its model) runs its MLP in that dtype, returns float32
+        x = x.to(next(self.mlp.parameters()).dtype)
+        out = self.mlp(x).float().reshape(x.shape[0], self.n_latent, self.d) * self.scale / (self.d ** 0.5)
+        return self.base.float()[None] + out
 
     def latents(self, examples) -> torch.Tensor:
         """Latents of training examples (:class:`~hf_kvreuse.latent.data.Example`, with their stored read-outs)."""
@@ -205,8 +207,9 @@ class LatentBridge(nn.Module):
                 if x.shape[:-1] != rows.shape:
                     raise RuntimeError(f"LoRA rows mask {tuple(rows.shape)} does not match the hidden states "
                                        f"{tuple(x.shape[:-1])}")
-                delta = (x.to(a.dtype) @ a.t() @ b.t()).to(out.dtype)
-                return out + delta * rows[..., None].to(out.dtype)
+                # a model split over devices: the factors and the mask go where this layer computes
+                delta = (x.to(a.dtype) @ a.to(x.device).t() @ b.to(x.device).t()).to(out.dtype)
+                return out + delta * rows[..., None].to(device=out.device, dtype=out.dtype)
             return hook
         try:
             for key, lin in targets.items():

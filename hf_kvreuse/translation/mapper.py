@@ -117,9 +117,11 @@ def content_features(kv: KV, shifter: RopeShifter, positions: torch.Tensor) -> l
     """Per layer ``(K~, V)`` as ``[T, H*D]`` float32: keys rotated back to position 0 (RoPE stripped)."""
     out = []
     neg = -positions
-    cs = shifter.cos_sin(neg, kv[0][0].device)
+    tables = {}  # one cos/sin table per device (a source split over devices)
     for k, v in kv:
-        kc = shifter.shift(k.float(), None, cs)
+        if k.device not in tables:
+            tables[k.device] = shifter.cos_sin(neg, k.device)
+        kc = shifter.shift(k.float(), None, tables[k.device])
         out.append((kc[0].transpose(0, 1).reshape(k.shape[-2], -1), v[0].float().transpose(0, 1).reshape(v.shape[-2], -1)))
     return out
 

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from ..chunk_store import ChunkStore, KVChunk, _ids_digest
+from ..devices import layer_devices
 from ..kv import KV, dynamic_cache_from_kv, kv_of
 from .identity import ModelIdentity, ModelMismatchError, hf_model_identity
 from .store import EntryInfo, KVDirStore
@@ -35,9 +36,12 @@ def stack_kv(kv: KV) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unstack_kv(k: torch.Tensor, v: torch.Tensor, device=None) -> KV:
-    """``[layers, H, T, D]`` tensors as a KV list (``[1, H, T, D]`` per layer)."""
-    return [(k[i][None].to(device) if device is not None else k[i][None],
-             v[i][None].to(device) if device is not None else v[i][None]) for i in range(k.shape[0])]
+    """``[layers, H, T, D]`` tensors as a KV list (``[1, H, T, D]`` per layer), moved to ``device``: one device, or
+    one per layer (:func:`~hf_kvreuse.devices.layer_devices`: a model split over devices keeps each layer's K/V on
+    that layer's device)."""
+    devices = list(device) if isinstance(device, (list, tuple)) else [device] * k.shape[0]
+    return [(k[i][None].to(d) if d is not None else k[i][None],
+             v[i][None].to(d) if d is not None else v[i][None]) for i, d in zip(range(k.shape[0]), devices)]
 
 
 def save_cache(store: KVDirStore, model, input_ids, cache, exact: bool = True,
@@ -70,7 +74,7 @@ def load_prefix(store: KVDirStore, model, input_ids, folder: str | os.PathLike |
     if info is None or n == 0:
         return None, 0
     k, v = store.load(info, identity)
-    device = next(model.parameters()).device
+    device = layer_devices(model)
     kv = unstack_kv(k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), device)
     return dynamic_cache_from_kv(kv, model.config), n
 
@@ -86,7 +90,7 @@ def to_chunk_store(store: KVDirStore, chunks: ChunkStore, model, info: EntryInfo
         raise ValueError(f"span {span}: only the exact rows 0..{info.exact_len} of entry {info.entry_id} are the "
                          "chunk of their tokens under their prefix")
     k, v = store.load(info, identity)
-    device = next(model.parameters()).device
+    device = layer_devices(model)
     kv = unstack_kv(k[:, :, s:e].contiguous(), v[:, :, s:e].contiguous(), device)
     prefix = torch.tensor(info.token_ids[:s], dtype=torch.long)
     anchor = unstack_kv(k[:, :, s - 1:s].contiguous(), v[:, :, s - 1:s].contiguous(), device) if s else None
@@ -103,7 +107,7 @@ def to_session(store: KVDirStore, session, entries: Sequence[EntryInfo] | None =
     :class:`~hf_kvreuse.ReuseSession` as held caches; exact rows serve as exact prefixes. Returns how many."""
     identity = _identity(session.model, folder)
     entries = store.for_model(identity) if entries is None else list(entries)
-    device = next(session.model.parameters()).device
+    device = layer_devices(session.model)
     for info in entries:
         if info.identity.key != identity.key:
             raise ModelMismatchError(f"entry {info.entry_id} is not of the session's model")
