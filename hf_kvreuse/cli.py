@@ -201,12 +201,22 @@ def load_reference(args) -> dict:
     side with this run (the JSON says so: ``config.reference``), and the run refuses a reference whose settings or
     questions differ (the same ``--seed`` picks the same questions; each question's first prompt is compared)."""
     ref = json.loads(Path(args.reference).read_text())
-    cfg = ref["config"]
-    bad = [k for k in REFERENCE_KEYS if cfg.get(k) != getattr(args, k)]
-    if bad:
-        raise SystemExit(f"--reference {args.reference}: its {', '.join(bad)} differ from this run's "
-                         f"({', '.join(f'{k}={cfg.get(k)!r}' for k in bad)})")
-    out = {(r["workflow"], r["context_tokens"], r["question"]): r for r in ref["records"] if r["method"] == "full"}
+    configs, records = ref["config"], ref["records"]
+    if isinstance(configs, list):  # a merged file: its runs of this seed and n, questions named "seed/n:index"
+        name = f"{args.seed}/{args.n}:"
+        configs = [c for c in configs if c.get("seed", 0) == args.seed and c.get("n") == args.n]
+        if not configs:
+            raise SystemExit(f"--reference {args.reference}: a merged file with no run of seed {args.seed}, n {args.n}")
+        records = [dict(r, question=int(r["question"][len(name):])) for r in records
+                   if isinstance(r["question"], str) and r["question"].startswith(name)]
+    else:
+        configs = [configs]
+    for cfg in configs:
+        bad = [k for k in REFERENCE_KEYS if cfg.get(k) != getattr(args, k)]
+        if bad:
+            raise SystemExit(f"--reference {args.reference}: its {', '.join(bad)} differ from this run's "
+                             f"({', '.join(f'{k}={cfg.get(k)!r}' for k in bad)})")
+    out = {(r["workflow"], r["context_tokens"], r["question"]): r for r in records if r["method"] == "full"}
     missing = [(w, c, q) for w in args.workflows for c in args.context_tokens for q in question_span(args)
                if (w, c, q) not in out]
     if missing:

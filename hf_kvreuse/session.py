@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from .alignment import Alignment, align_multi
 from .compat import CACHE_KW, CACHE_NAMES
-from .devices import input_device, offloaded
+from .devices import input_device, layer_devices, offloaded
 from .generation.options import call_options
 from .inputs import prompt_ids
 from .kv import KV, kv_of, load_kv
@@ -354,6 +354,13 @@ class ReuseSession:
         if len(kv) != len(self._windows) or any(k.shape[-2] != ids.numel() for k, _ in kv):
             raise ValueError(f"hold(): {len(kv)} layers of K/V for {ids.numel()} tokens do not match the model's "
                              f"{len(self._windows)} layers")
+        dtype = getattr(self.model, "dtype", None)  # transformers' compute dtype (its K/V's)
+        if dtype is not None and any(k.dtype != dtype or v.dtype != dtype for k, v in kv):
+            raise ValueError(f"hold(): K/V of dtype {kv[0][0].dtype} for a {dtype} model "
+                             f"({type(self.model).__name__}): its forwards would mix dtypes; convert them first "
+                             "if that is what you mean (the rows are then no longer exact)")
+        # each layer's K/V where that layer computes (a CUDA model handed CPU tensors, or a split model)
+        kv = [(k.to(d), v.to(d)) for (k, v), d in zip(kv, layer_devices(self.model))]
         from .fingerprint import model_fingerprint
 
         with self._lock, self._state:

@@ -127,3 +127,27 @@ def test_merge_joins_methods_and_spans_of_one_configuration(tmp_path):
         cfg["config"]["max_new_tokens"] = 128
         open(other, "w").write(json.dumps(cfg))
         merge([a, other], tmp_path / "m3")
+
+
+def test_reference_may_be_a_merged_file(tmp_path):
+    """``--reference`` accepts a merged bench.json: it takes the full-prefill records of this run's seed and n (named
+    ``seed/n:index`` there) under their plain index, checks those runs' settings, and refuses a seed it lacks.
+
+    Planted bug that fails it: the merged records keep their ``seed/n:index`` names (the lookup by index then finds
+    none: "has no full-prefill record")."""
+    import argparse
+
+    from hf_kvreuse.cli import load_reference, merge
+
+    a = _bench_file(tmp_path / "a.json", 0, {0: ["full", "prefix"], 1: ["full", "prefix"]})
+    b = _bench_file(tmp_path / "b.json", 20, {0: ["full", "prefix"]})
+    merge([a, b], tmp_path / "m")
+    base = dict(model="m", dtype="fp32", rounds=3, max_new_tokens=4, max_bytes=1, n=4, workflows=["chain"],
+                context_tokens=[100], reference=str(tmp_path / "m" / "bench.json"))
+    ref = load_reference(argparse.Namespace(seed=0, questions="0:2", **base))
+    assert sorted(ref) == [("chain", 100, 0), ("chain", 100, 1)] and ref[("chain", 100, 1)]["question"] == 1
+    assert sorted(load_reference(argparse.Namespace(seed=20, questions="0:1", **base))) == [("chain", 100, 0)]
+    with pytest.raises(SystemExit, match="no run of seed 7"):
+        load_reference(argparse.Namespace(seed=7, questions="0:1", **base))
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        load_reference(argparse.Namespace(seed=0, questions="0:1", **dict(base, max_new_tokens=8)))

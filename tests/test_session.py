@@ -360,3 +360,29 @@ def test_mode_options_reach_the_cache_class(model):
             resolve_mode(bad)
     with pytest.raises(ValueError, match="not an option of any"):
         ReuseSession.for_method(model, "auto-commit:gat=0.5")
+
+
+def test_hold_checks_dtype_and_places_layers(model, monkeypatch):
+    """``hold()`` refuses K/V of another dtype than the model's (naming both and the model), and puts each layer's
+    K/V on that layer's device (``meta`` stands in for a second device); a held exact prefix then serves generate.
+
+    Planted bug that fails it: ``hold()`` stores the K/V where the caller left them (the code before)."""
+    from hf_kvreuse import session as session_mod
+
+    ids = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache, _ = exact_prefill(model, ids)
+    kv = kv_of(cache)
+    s = ReuseSession(model, policy="prefix")
+    with pytest.raises(ValueError, match="dtype.*LlamaForCausalLM"):
+        s.hold(ids, [(k.half(), v.half()) for k, v in kv], exact=True)
+    s.hold(ids, kv, exact=True)
+    longer = torch.cat([ids, torch.tensor([[5, 6, 7]])], 1)
+    ref = model.generate(longer, max_new_tokens=3, do_sample=False)
+    assert torch.equal(s.generate(longer, max_new_tokens=3, do_sample=False), ref)
+    assert s.last_stats.exact_prefix_tokens == 12
+    n = model.config.num_hidden_layers
+    devices = [torch.device("cpu")] * (n - 1) + [torch.device("meta")]
+    monkeypatch.setattr(session_mod, "layer_devices", lambda m: devices)
+    s2 = ReuseSession(model, policy="prefix")
+    s2.hold(ids, kv, exact=True)
+    assert [k.device for k, _ in s2._entries[0].kv] == devices
