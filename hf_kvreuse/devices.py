@@ -71,6 +71,12 @@ def layer_devices(model) -> list[torch.device]:
     return [_module_device(layer) or first for layer in layers]
 
 
+def place_kv(kv, devices) -> list:
+    """``kv`` (per layer ``(K, V)``) with each layer's tensors on ``devices[i]`` (e.g. :func:`layer_devices`): K/V
+    from outside (a store, a file, a caller) go where their layer computes. No copy where already there."""
+    return [(k.to(d), v.to(d)) for (k, v), d in zip(kv, devices, strict=True)]
+
+
 def offloaded(model) -> bool:
     """True when accelerate hooks offload weights (to the CPU or disk) and load them for each forward."""
     for module in model.modules():

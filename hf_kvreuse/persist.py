@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .devices import place_kv
 from .kv import KV
 
 FORMAT_SESSION = "hf_kvreuse.session"
@@ -227,7 +228,7 @@ def _prune(folder: Path, pattern: str, keep: set[str], older_than_s: float) -> i
 
 
 def _to_devices(kv: KV, layout: KVLayout) -> KV:
-    return [(k.to(d), v.to(d)) for (k, v), d in zip(kv, layout.devices)]
+    return place_kv(kv, layout.devices)
 
 
 # -- session entries: the one place that knows their fields --------------------------------------------------------

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from .alignment import Alignment, align_multi
 from .compat import CACHE_KW, CACHE_NAMES
-from .devices import input_device, layer_devices, offloaded
+from .devices import input_device, layer_devices, offloaded, place_kv
 from .generation.options import call_options
 from .inputs import prompt_ids
 from .kv import KV, kv_of, load_kv
@@ -360,7 +360,7 @@ class ReuseSession:
                              f"({type(self.model).__name__}): its forwards would mix dtypes; convert them first "
                              "if that is what you mean (the rows are then no longer exact)")
         # each layer's K/V where that layer computes (a CUDA model handed CPU tensors, or a split model)
-        kv = [(k.to(d), v.to(d)) for (k, v), d in zip(kv, layer_devices(self.model))]
+        kv = place_kv(kv, layer_devices(self.model))
         from .fingerprint import model_fingerprint
 
         with self._lock, self._state:

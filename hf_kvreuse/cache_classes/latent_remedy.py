@@ -216,8 +216,8 @@ class LatentRemedyCache(BlockReuseCache):
             start = cut + 1
         if start < n_layers:
             partial_forward(self.model, ids, rows, kv, layers=range(start, n_layers), hidden_states=hidden)
-        first = grabbed[n_layers - 1 if self.bridge.layers[0] < 0 else self.bridge.layers[0]].device
-        return torch.stack([grabbed[n_layers - 1 if x < 0 else x].to(first) for x in self.bridge.layers])
+        parts = [grabbed[n_layers - 1 if x < 0 else x] for x in self.bridge.layers]
+        return torch.stack([t.to(parts[0].device) for t in parts])  # layers of a split model: one device
 
     def donor_features(self) -> list[torch.Tensor]:
         """A ``donor=True`` bridge's read-out of the donor prefix: the tokens the last reused block (the one the

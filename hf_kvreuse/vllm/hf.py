@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from ..chunk_store import ChunkStore, KVChunk, _ids_digest
-from ..devices import layer_devices
+from ..devices import layer_devices, place_kv
 from ..kv import KV, dynamic_cache_from_kv, kv_of
 from .identity import ModelIdentity, ModelMismatchError, hf_model_identity
 from .store import EntryInfo, KVDirStore
@@ -39,9 +39,10 @@ def unstack_kv(k: torch.Tensor, v: torch.Tensor, device=None) -> KV:
     """``[layers, H, T, D]`` tensors as a KV list (``[1, H, T, D]`` per layer), moved to ``device``: one device, or
     one per layer (:func:`~hf_kvreuse.devices.layer_devices`: a model split over devices keeps each layer's K/V on
     that layer's device)."""
-    devices = list(device) if isinstance(device, (list, tuple)) else [device] * k.shape[0]
-    return [(k[i][None].to(d) if d is not None else k[i][None],
-             v[i][None].to(d) if d is not None else v[i][None]) for i, d in zip(range(k.shape[0]), devices)]
+    kv = [(k[i][None], v[i][None]) for i in range(k.shape[0])]
+    if device is None:
+        return kv
+    return place_kv(kv, list(device) if isinstance(device, (list, tuple)) else [device] * len(kv))
 
 
 def save_cache(store: KVDirStore, model, input_ids, cache, exact: bool = True,
