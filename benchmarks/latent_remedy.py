@@ -7,10 +7,13 @@ the block K/V that agent X computed under its own prefix), greedy answers of age
 * ``reuse``: direct reuse of X's block (RoPE-moved), Y's prefix and question computed;
 * ``post``: reuse plus the harness's text bridge after the block ("Current task objective (takes priority): ...");
 * ``tail16``: reuse, the block's last 16 tokens recomputed;
+* ``focus16``: reuse, 16 block rows recomputed: those that mention what the two agents' prefixes disagree on
+  (:class:`~hf_kvreuse.cache_classes.focus.FocusRecomputeCache`), the rest from the tail;
 * ``blend``: CacheBlend (15% of the block rows recomputed after layer 1);
 * ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint) and the tail
   it was trained with (``bridge.tail_tokens``: 0 for the checkpoints before 2026-12-02, 16 for the shipped one);
 * ``latent_tail16``: the same bridge plus Tail-16 (the block's last 16 rows recomputed with the latents);
+* ``latent_focus16``: the same bridge, its 16 recomputed rows chosen as ``focus16`` chooses them (``focus=tok``);
 * ``--extra-bridges NAME=PATH``: more LatentRemedy variants (each with the tail its bridge was trained with).
 
 TTFT (streamer timestamps; the donor's block K/V are in the chunk store beforehand, as in the harness) is reported
@@ -33,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache, TailRecomputeCache,
-                        enable)
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, FocusRecomputeCache, LatentBridge, LatentRemedyCache,
+                        TailRecomputeCache, enable)
 from hf_kvreuse.models import load_offline
 from hf_kvreuse.timing import TokenTimer
 from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct, prompt_parts
@@ -42,7 +45,7 @@ from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct,
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import wilson  # noqa: E402
-METHODS = ("full", "reuse", "post", "tail16", "blend", "latent", "latent_tail16")
+METHODS = ("full", "reuse", "post", "tail16", "focus16", "blend", "latent", "latent_tail16", "latent_focus16")
 MODELS = {"smollm2": ("smollm2-135m-instruct", torch.float32), "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct",
                                                                                   torch.bfloat16)}
 
@@ -95,7 +98,7 @@ def main(argv=None) -> None:
     model, tok = load_offline(name, dtype=dtype)
     enable(model)
     bridge = None
-    if {"latent", "latent_tail16"} & set(a.methods):
+    if {"latent", "latent_tail16", "latent_focus16"} & set(a.methods):
         bridge = LatentBridge.from_pretrained(model, a.bridge)
     extra = {}
     for spec in a.extra_bridges:
@@ -132,12 +135,16 @@ def main(argv=None) -> None:
                     cache = {"reuse": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "post": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
+                             "focus16": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
+                                                                    recompute_tokens=16, **kw),
                              "blend": lambda: BlendCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              # the bridge's own Tail-k (what it was trained with; 0 for a plain bridge)
                              "latent": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
                                                                  bridge=bridge, **kw),
                              "latent_tail16": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
                                                                         bridge=bridge, tail_tokens=16, **kw),
+                             "latent_focus16": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
+                                                                         bridge=bridge, tail_tokens=16, focus=tok, **kw),
                              **{k: (lambda b=b: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span], bridge=b,
                                                                  **kw)) for k, b in extra.items()}}[method]()
                     ans, ttft = run(model, tok, use_ids, cache, a.max_new_tokens)

@@ -14,7 +14,10 @@ order rotates every repetition, so load changes hit all of them alike):
 * ``latent_tail16``: LatentRemedyCache plus Tail-16, prefix computed (the shipped checkpoint's default set-up
   in the harness);
 * ``latent_tail16_pc``: the same with the prefix as a leading block (one pass over latents + 16 block rows +
-  question).
+  question);
+* ``focus16`` / ``focus16_pc``: FocusRecomputeCache (16 block rows: those mentioning what the two prefixes disagree
+  on, then the tail), prefix computed / as a leading block;
+* ``latent_focus16_pc``: LatentRemedyCache with ``focus=`` (latents + those 16 rows), prefix as a leading block.
 
 Reported per size: median TTFT (streamer, first token) of each method and its median ratio to ``direct`` and to
 ``direct_pc`` over the repetitions, and the latents' absolute cost ``latent_pc - direct_pc`` (flat in N if the
@@ -39,13 +42,15 @@ from pathlib import Path
 
 import torch
 
-from hf_kvreuse import (ChunkStore, DirectReuseCache, LatentBridge, LatentRemedyCache, TailRecomputeCache, enable)
+from hf_kvreuse import (ChunkStore, DirectReuseCache, FocusRecomputeCache, LatentBridge, LatentRemedyCache,
+                        TailRecomputeCache, enable)
 from hf_kvreuse.models import load_offline
 from hf_kvreuse.timing import TokenTimer
 from hf_kvreuse.workflows.conflicting import _WORDS, QUESTION, ConflictRecord, prompt_parts
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("direct", "direct_pc", "tail16", "latent", "latent_pc", "latent_tail16", "latent_tail16_pc")
+METHODS = ("direct", "direct_pc", "tail16", "latent", "latent_pc", "latent_tail16", "latent_tail16_pc", "focus16",
+           "focus16_pc", "latent_focus16_pc")
 #: ``--two-forwards``: the fused methods above with fuse_first_step=False
 TWO_FORWARDS = ("direct_pc-2fwd", "latent_pc-2fwd")
 
@@ -87,8 +92,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(HERE / "results" / "latent_ttft_qwen2.5-0.5b.json"))
     p.add_argument("--two-forwards", action="store_true",
                    help="also time direct_pc and latent_pc with fuse_first_step=False (-2fwd)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                   help="the methods to time (direct and direct_pc always are: the ratios' references)")
     a = p.parse_args(argv)
-    methods = METHODS + (TWO_FORWARDS if a.two_forwards else ())
+    methods = tuple(dict.fromkeys(["direct", "direct_pc", *a.methods])) + (TWO_FORWARDS if a.two_forwards else ())
     torch.set_num_threads(a.threads)
     from hf_kvreuse.cli import _git_commit
 
@@ -128,6 +135,10 @@ def main(argv=None) -> None:
                                                        **harness),
             "latent_tail16_pc": lambda: LatentRemedyCache(model, ids, [(0, s), (s, e)], bridge=bridge,
                                                           tail_tokens=16, **lead),
+            "focus16": lambda: FocusRecomputeCache(model, ids, [(s, e)], tok, **harness),
+            "focus16_pc": lambda: FocusRecomputeCache(model, ids, [(0, s), (s, e)], tok, **lead),
+            "latent_focus16_pc": lambda: LatentRemedyCache(model, ids, [(0, s), (s, e)], bridge=bridge, tail_tokens=16,
+                                                           focus=tok, **lead),
             "direct_pc-2fwd": lambda: DirectReuseCache(model, ids, [(0, s), (s, e)], **lead, fuse_first_step=False),
             "latent_pc-2fwd": lambda: LatentRemedyCache(model, ids, [(0, s), (s, e)], bridge=bridge, tail_tokens=0,
                                                         **lead, fuse_first_step=False),
@@ -153,7 +164,8 @@ def main(argv=None) -> None:
                "ratio_to_direct_pc": {m: statistics.median(x / y for x, y in zip(times[m], times["direct_pc"]))
                                       for m in methods},
                "bridge_s": {m: statistics.median(v) for m, v in bridge_s.items()},
-               "latent_cost_s": statistics.median(x - y for x, y in zip(times["latent_pc"], times["direct_pc"])),
+               "latent_cost_s": (statistics.median(x - y for x, y in zip(times["latent_pc"], times["direct_pc"]))
+                                 if "latent_pc" in times else None),
                "cpu_s": {m: statistics.median(v) for m, v in cpu.items()}, "raw_cpu_s": cpu,
                "cpu_ratio_to_direct": {m: statistics.median(x / y for x, y in zip(cpu[m], cpu["direct"]))
                                        for m in methods},
@@ -174,14 +186,18 @@ def main(argv=None) -> None:
 def markdown(path: str) -> str:
     """README table: ``python benchmarks/latent_ttft.py --table results.json`` (methods a run did not time: -)."""
     d = json.load(open(path))
-    ratios = (("latent", "direct"), ("latent_pc", "direct"), ("latent_pc", "direct_pc"),
-              ("latent_tail16", "direct"), ("latent_tail16_pc", "direct"), ("latent_tail16_pc", "direct_pc"))
-    head = ("| block tokens | clock | " + " | ".join(METHODS) + " | "
+    timed = {m for r in d["sizes"].values() for m in r["ttft_s"]}
+    methods = [m for m in METHODS if m in timed]  # the methods this run timed
+    ratios = [(m, b) for m, b in (("latent", "direct"), ("latent_pc", "direct"), ("latent_pc", "direct_pc"),
+                                  ("latent_tail16", "direct"), ("latent_tail16_pc", "direct"),
+                                  ("latent_tail16_pc", "direct_pc"), ("focus16", "direct"),
+                                  ("focus16_pc", "direct_pc"), ("latent_focus16_pc", "direct_pc")) if m in timed]
+    head = ("| block tokens | clock | " + " | ".join(methods) + " | "
             + " | ".join(f"{m} / {b}" for m, b in ratios) + " |")
-    lines = [head, "|" + "---|" * (len(METHODS) + len(ratios) + 2)]
+    lines = [head, "|" + "---|" * (len(methods) + len(ratios) + 2)]
     for n, r in sorted(d["sizes"].items(), key=lambda x: int(x[0])):
         for clock, key, rk in (("wall", "ttft_s", ""), ("CPU", "cpu_s", "cpu_")):
-            cells = [f"{1000 * r[key][m]:.0f} ms" if m in r[key] else "-" for m in METHODS]
+            cells = [f"{1000 * r[key][m]:.0f} ms" if m in r[key] else "-" for m in methods]
             cells += [f"{r[rk + 'ratio_to_' + b][m]:.2f}x" if m in r[rk + "ratio_to_" + b] else "-" for m, b in ratios]
             lines.append(f"| {r['block_tokens']} | {clock} | " + " | ".join(cells) + " |")
     for n, r in sorted(d["sizes"].items(), key=lambda x: int(x[0])):

@@ -9,7 +9,7 @@ recompute), :mod:`hf_kvreuse.models` (offline and tiny model loaders) and :mod:`
 """
 
 from .cache_classes import (BaseLRCache, BaseLRStats, BlendCache, BlockReuseCache, BlockReuseStats, DirectReuseCache,
-                            EPICCache, KVReuseCache, LatentRemedyCache, LatentRemedyStats, OffsetCache,
+                            EPICCache, FocusRecomputeCache, FocusRecomputeStats, KVReuseCache, LatentRemedyCache, LatentRemedyStats, OffsetCache,
                             OptimisticCache, OptimisticStats, TailRecomputeCache, TranslatedCache, TranslatedStats,
                             TurnStats, find_blocks)
 from .chunk_store import ChunkStore, KVChunk
@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KVReuseCache", "OptimisticCache", "OptimisticStats",
     "BlockReuseCache", "BlockReuseStats", "DirectReuseCache", "BlendCache", "EPICCache", "TailRecomputeCache",
-    "OffsetCache", "find_blocks",
+    "FocusRecomputeCache", "FocusRecomputeStats", "OffsetCache", "find_blocks",
     "LatentRemedyCache", "LatentRemedyStats", "LatentBridge", "LatentBridgeMismatchError",
     "BaseLRCache", "BaseLRStats", "TurnStats", "LoraSplit", "UnsupportedAdapterError",
     "TranslatedCache", "TranslatedStats", "KVMapper", "MapperMismatchError", "Scorer", "RankDisagreementScorer",

@@ -41,6 +41,18 @@ def smollm2():
     return enable(model), tok
 
 
+class WordTokenizer:
+    """A tokenizer stand-in for the tiny models: token ``i`` reads `` w<i>`` (``\\n`` for multiples of 10); like a
+    SentencePiece tokenizer, a decode drops the space in front of its first word."""
+
+    def batch_decode(self, seqs, **kwargs):
+        return [self.decode(s) for s in seqs]
+
+    def decode(self, ids, **kwargs):
+        text = "".join("\n" if int(i) % 10 == 0 else f" w{int(i)}" for i in ids)
+        return text[1:] if text.startswith(" ") else text
+
+
 def agent_prompts(seed=0, shared=40, role_a=6, role_b=9, vocab=128):
     """Two prompts sharing a block of `shared` tokens after different role prefixes."""
     g = torch.Generator().manual_seed(seed)

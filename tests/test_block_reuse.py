@@ -3,17 +3,20 @@
 import pytest
 import torch
 
-from hf_kvreuse import BlendCache, ChunkStore, DirectReuseCache, EPICCache, KVChunk, OffsetCache, TailRecomputeCache
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, EPICCache, FocusRecomputeCache, KVChunk, OffsetCache,
+                        TailRecomputeCache)
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.models import tiny_model
 
-from conftest import exact_prefill, assert_same_generation
+from conftest import WordTokenizer, exact_prefill, assert_same_generation
 
 # (class, kwargs for "repair nothing", kwargs for "repair everything")
 METHODS = {
     "direct": (DirectReuseCache, {}, None),
     "tail": (TailRecomputeCache, {"recompute_tokens": 0}, {"recompute_tokens": 10_000}),
     "epic": (EPICCache, {"recompute_tokens": 0}, {"recompute_tokens": 10_000}),
+    "focus": (FocusRecomputeCache, {"tokenizer": WordTokenizer(), "recompute_tokens": 0},
+              {"tokenizer": WordTokenizer(), "recompute_tokens": 10_000}),
     "blend": (BlendCache, {"recompute_ratio": 0.0}, {"recompute_ratio": 1.0}),
     "blend-keys": (BlendCache, {"recompute_ratio": 0.0, "deviation": "keys"},
                    {"recompute_ratio": 1.0, "deviation": "keys"}),

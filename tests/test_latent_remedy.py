@@ -409,6 +409,40 @@ def test_latents_plus_tail_match_trainer_and_tail_baseline(model):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
 
 
+def test_latents_plus_focus_rows(model):
+    """``focus=tokenizer``: the cache's recomputed block rows are FocusRecomputeCache's (focus rows, then the tail);
+    with no latents it equals FocusRecomputeCache (every step's logits), with latents the same rows are recomputed.
+    Planted bug: ``tail_rows`` ignores ``focus`` -> fails (the focus rows are not recomputed)."""
+    from hf_kvreuse import FocusRecomputeCache
+
+    from conftest import WordTokenizer
+
+    tok = WordTokenizer()
+    pa, pb, blk, q = _parts(43)
+    blk[(blk == 23) | (blk == 24)] = 25
+    pb[(pb == 23) | (pb == 24)] = 25
+    pa = pb.clone()
+    blk[0, 3], pb[0, -1], pa[0, -1] = 23, 23, 24  # the prefixes disagree on w23 / w24 only; w23 sits in the block
+    ids = torch.cat([pb, blk, q], 1)
+    store = ChunkStore()
+    ref = FocusRecomputeCache(model, ids, [(9, 39)], tok, store=store, block_prefix_ids=pa[0], recompute_tokens=6,
+                              window=2)
+    out_ref = _gen(model, ids, ref)
+    got = LatentRemedyCache(model, ids, [(9, 39)], bridge=_bridge(model, 0), store=store, block_prefix_ids=pa[0],
+                            tail_tokens=6, focus=tok, focus_window=2)
+    out = _gen(model, ids, got)
+    assert ref.stats.focus_rows == got.stats.focus_rows == 3
+    assert got.tail_rows().tolist() == [12, 13, 14, 36, 37, 38]
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(out_ref.logits), atol=1e-4, rtol=1e-4)
+    with pytest.raises(TypeError, match="focus must be the model's tokenizer"):
+        LatentRemedyCache(model, ids, [(9, 39)], bridge=_bridge(model, 0), block_prefix_ids=pa[0], focus="tok")
+    if HAS_QUERY_OFFSET:
+        lat = LatentRemedyCache(model, ids, [(9, 39)], bridge=_bridge(model, 2), store=store, block_prefix_ids=pa[0],
+                                tail_tokens=6, focus=tok, focus_window=2)
+        _gen(model, ids, lat)
+        assert lat.stats.focus_rows == 3 and lat.stats.recomputed_tokens == ids.shape[1] - 1 - 30 + 6
+
+
 @needs_offset
 def test_multi_layer_attention_pooled_bridge(model):
     """A bridge reading two layers, last row plus attention pooling over every prefix row: with the block under its

@@ -43,12 +43,15 @@ class LatentRemedyStats(BlockReuseStats):
         Latent embeddings placed after the reused block (0: direct reuse).
     bridge_s : float
         The bridge MLP and the one pass over the latents and the rows after them (seconds).
+    focus_rows : int
+        With ``focus=``: recomputed block rows chosen as focus rows (the others are tail rows).
     """
 
     __repr__ = BlockReuseStats.__repr__
 
     latent_tokens: int = 0
     bridge_s: float = 0.0  # the bridge MLP and the one pass over the latents and the rows after them
+    focus_rows: int = 0    # recomputed block rows chosen as focus rows (``focus=``); the rest are tail rows
 
 
 class LatentRemedyCache(BlockReuseCache):
@@ -70,6 +73,13 @@ class LatentRemedyCache(BlockReuseCache):
     tail_tokens : int, optional
         Latents plus Tail-k: the last ``k`` rows of every reused block are recomputed too, in the same pass as the
         latents and the question. Default: the value the bridge was trained with (``bridge.tail_tokens``).
+    focus : tokenizer, optional
+        Latents plus focus rows: the ``tail_tokens`` recomputed rows of each reused block go first to the rows that
+        mention what the own prefix and the block's donor prefix disagree on (:mod:`hf_kvreuse.focus`, as
+        :class:`~hf_kvreuse.cache_classes.focus.FocusRecomputeCache`), the rest to its tail. Give the model's
+        tokenizer; ``None`` (default): the tail only. ``stats.focus_rows`` counts them.
+    focus_window : int, default=8
+        With ``focus``: tokens after each occurrence of a differing word recomputed with it.
     fuse_first_step : bool, default=True
         The pass over the latents and the rows after them includes the last prompt token and runs as the first
         forward of ``generate`` (:mod:`hf_kvreuse.generation.fused`): one pass over the weights less before the
@@ -80,7 +90,7 @@ class LatentRemedyCache(BlockReuseCache):
     requires = {"rope": True, "engine": True, "layers": True}
 
     def __init__(self, model, input_ids, blocks, bridge=None, store=None, block_prefix_ids=None,
-                 tail_tokens: int | None = None, *, fuse_first_step: bool = True):
+                 tail_tokens: int | None = None, *, focus=None, focus_window: int = 8, fuse_first_step: bool = True):
         from ..compat import HAS_QUERY_OFFSET, TRANSFORMERS_VERSION
         from ..latent.bridge import LatentBridge
 
@@ -99,6 +109,10 @@ class LatentRemedyCache(BlockReuseCache):
         tail_tokens = bridge.tail_tokens if tail_tokens is None else int(tail_tokens)
         if tail_tokens < 0:
             raise ValueError("tail_tokens must be >= 0")
+        if focus is not None and not callable(getattr(focus, "batch_decode", None)):
+            raise TypeError(f"focus must be the model's tokenizer (with batch_decode), got {type(focus).__name__}")
+        if focus_window < 0:
+            raise ValueError(f"focus_window must be >= 0, got {focus_window}")
         super().__init__(model, input_ids, blocks, store, block_prefix_ids, fuse_first_step=fuse_first_step)
         if not self.blocks:
             raise ValueError("LatentRemedyCache needs at least one reused block")
@@ -113,6 +127,7 @@ class LatentRemedyCache(BlockReuseCache):
         self.reused = self.blocks[1:] if self.lead else list(self.blocks)
         self.bridge = bridge
         self.tail_tokens = tail_tokens
+        self.focus, self.focus_window = focus, int(focus_window)
         self.n_latent = bridge.n_latent if self.reused else 0
         self.stats = LatentRemedyStats(blocks=len(self.blocks), latent_tokens=self.n_latent)
         self._latents_at: int | None = None
@@ -171,7 +186,14 @@ class LatentRemedyCache(BlockReuseCache):
         st.assemble_s = now(device) - t0
 
     def tail_rows(self) -> torch.Tensor:
-        """The last ``tail_tokens`` rows of every reused block (recomputed with the latents)."""
+        """The ``tail_tokens`` rows of every reused block recomputed with the latents: its last ones, or with
+        ``focus`` its focus rows first."""
+        if self.focus is not None:
+            from .focus import block_focus_rows
+
+            rows, self.stats.focus_rows = block_focus_rows(self, self.reused, self.tail_tokens, self.focus,
+                                                           self.focus_window)
+            return rows
         rows = [torch.arange(e - min(self.tail_tokens, e - s), e) for s, e in self.reused]
         return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
