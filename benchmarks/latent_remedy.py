@@ -22,6 +22,7 @@ direct reuse loses that a method wins back, ``(acc - acc_reuse) / (acc_full - ac
 
     python benchmarks/latent_remedy.py --model qwen2.5-0.5b [--families extract years order] [--n 50]
     python benchmarks/latent_remedy.py --model smollm2 --methods full reuse      # the model screen
+    python benchmarks/latent_remedy.py --paired results.json focus16:tail16       # paired differences
 """
 
 from __future__ import annotations
@@ -278,9 +279,35 @@ def merge(out_path: str, paths: list[str]) -> None:
     plot(summary, Path(out_path).with_suffix(".png"))
 
 
+def paired(path: str, specs: list[str]) -> str:
+    """``--paired RESULTS A:B ...``: accuracy of method A minus method B on the same cases (family, record,
+    direction), per family and over all, with Newcombe's paired 95% interval (:func:`hf_kvreuse.cli.paired_difference`).
+    Merged runs count a case once, as :func:`summarize` does (the first run's row)."""
+    from hf_kvreuse.cli import paired_difference
+
+    rows = json.load(open(path))["rows"]
+    by: dict[str, dict] = {}
+    for r in rows:
+        if r["method"] != "full":
+            by.setdefault(r["method"], {}).setdefault((r["family"], r["record"], r["direction"]), r)
+    fams = sorted({k[0] for m in by.values() for k in m})
+    lines = ["| families | A - B | accuracy difference, pts [95% CI] | n |", "|---|---|---|---|"]
+    for spec in specs:
+        a, b = spec.split(":")
+        if a not in by or b not in by:
+            raise SystemExit(f"--paired {spec}: {path} has methods {sorted(by)}")
+        for fam in fams + [None]:
+            keys = sorted(k for k in by[a] if k in by[b] and (fam is None or k[0] == fam))
+            d, lo, hi = paired_difference([by[a][k]["ok"] for k in keys], [by[b][k]["ok"] for k in keys])
+            lines.append(f"| {fam or 'all'} | {a} - {b} | {100 * d:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] | {len(keys)} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--table":
         print(markdown(sys.argv[2]))
+    elif len(sys.argv) > 3 and sys.argv[1] == "--paired":
+        print(paired(sys.argv[2], sys.argv[3:]))
     elif len(sys.argv) > 3 and sys.argv[1] == "--merge":
         merge(sys.argv[2], sys.argv[3:])
     else:

@@ -44,7 +44,8 @@ def words(tokenizer, ids: Sequence[int]) -> set[str]:
 
 
 def focus_rows(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], donor_prefix: Sequence[int],
-               budget: int, window: int = 8) -> torch.Tensor:
+               budget: int, window: int = 8, *, block_texts: list[str] | None = None,
+               donor_words: set[str] | None = None) -> torch.Tensor:
     """Rows of a block (0-based within it) that mention a word of one prefix but not the other.
 
     Parameters
@@ -60,6 +61,9 @@ def focus_rows(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], d
     window : int, default=8
         Each occurrence brings its own tokens and the ``window`` tokens after it (the value after a key, which
         may sit on the next line, as a function's return value does).
+    block_texts, donor_words : optional
+        :func:`token_texts` of the block and :func:`words` of the donor prefix, when the caller keeps them (a chunk
+        reused by many calls decodes its tokens once).
 
     Returns
     -------
@@ -69,8 +73,10 @@ def focus_rows(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], d
     """
     if budget < 0 or window < 0:
         raise ValueError(f"budget and window must be >= 0, got {budget} and {window}")
-    diff = words(tokenizer, own_prefix) ^ words(tokenizer, donor_prefix)
-    texts = token_texts(tokenizer, block_ids)
+    diff = words(tokenizer, own_prefix) ^ (words(tokenizer, donor_prefix) if donor_words is None else donor_words)
+    texts = token_texts(tokenizer, block_ids) if block_texts is None else block_texts
+    if len(texts) != len(block_ids):
+        raise ValueError(f"block_texts has {len(texts)} entries for {len(block_ids)} block tokens")
     if not diff or not texts or not budget:
         return torch.zeros(0, dtype=torch.long)
     text = "".join(texts)
@@ -93,13 +99,14 @@ def focus_rows(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], d
 
 
 def focus_then_tail(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], donor_prefix: Sequence[int] | None,
-                    budget: int, window: int = 8) -> tuple[torch.Tensor, int]:
+                    budget: int, window: int = 8, **kept) -> tuple[torch.Tensor, int]:
     """``budget`` rows of a block: :func:`focus_rows` first, the rest from the block's end (Tail-k). Returns the
     rows (0-based, increasing) and how many of them are focus rows. A block with no donor prefix (computed
-    standalone) has no disagreement to find: all tail."""
+    standalone) has no disagreement to find: all tail. ``kept``: :func:`focus_rows`' ``block_texts`` /
+    ``donor_words``."""
     n = len(block_ids)
     budget = min(budget, n)
-    focus = (focus_rows(tokenizer, block_ids, own_prefix, donor_prefix, budget, window)
+    focus = (focus_rows(tokenizer, block_ids, own_prefix, donor_prefix, budget, window, **kept)
              if donor_prefix is not None and len(donor_prefix) else torch.zeros(0, dtype=torch.long))
     rows, j = set(focus.tolist()), n - 1
     while len(rows) < budget:

@@ -130,3 +130,32 @@ def test_focus_rows_on_a_real_tokenizer_and_record():
     rows = focus_rows(tok, ib[sb:eb], ib[:sb], ia[:sa], budget=32)
     text = tok.decode([ib[sb + j] for j in rows.tolist()])
     assert str(rec.gold_a) in text.replace(" ", "") and str(rec.gold_b) in text.replace(" ", "")
+
+
+def test_focus_cache_keeps_block_texts_with_the_chunk_and_skips_an_exact_lead(llama):
+    """A block reused by a second call is not decoded again (its token texts and its donor prefix's words are kept
+    with its chunk); the agent's own prefix as a standalone block at token 0 is exact and gets no rows; the rows
+    chosen are the same on both calls. Planted bug: the lead block at 0 gets its tail like any other (16 rows more
+    recomputed) -> fails on ``recomputed_tokens``."""
+    ids, (s, e), donor = _conflict_prompt()
+
+    class Counting(WordTokenizer):
+        decoded = 0
+
+        def batch_decode(self, seqs, **kwargs):
+            Counting.decoded += len(seqs)
+            return super().batch_decode(seqs, **kwargs)
+
+    tok = Counting()
+    store = ChunkStore()
+    runs = []
+    for _ in range(2):
+        before = Counting.decoded
+        cache = FocusRecomputeCache(llama, ids, [(0, s), (s, e)], tok, store=store, block_prefix_ids=[None, donor],
+                                    recompute_tokens=8, window=2)
+        llama.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+        runs.append((Counting.decoded - before, cache.extra_rows().tolist(), cache.stats.recomputed_tokens))
+    (d1, rows1, rec1), (d2, rows2, rec2) = runs
+    assert rows1 == rows2 and all(r >= s for r in rows1) and len(rows1) == 8
+    assert rec1 == rec2 == ids.shape[1] - 1 - e + 8          # the question rows and the block's 8, no lead rows
+    assert d2 < d1 and d2 <= 2 * (s + 1)                    # the second call decodes the own prefix only

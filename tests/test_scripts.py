@@ -478,3 +478,48 @@ def test_gpu_table_reads_a_gpu_check():
     assert "| lowrank_attention_prefill |" in out and "; " not in next(
         ln for ln in out.splitlines() if ln.startswith("| lowrank_attention_prefill |"))
     assert out.count("| optimistic | ") == len(doc["optimistic"]["rows"])
+
+
+def test_latent_rows_probe_table_scores_selections_against_full_prefill():
+    """scripts/latent_rows_probe.py --table: accuracy counts an example only where full prefill is right and the
+    selection agrees with it; "recovered" is against direct reuse's accuracy on the same examples; the paired
+    difference is against tail16 by example. Planted bug that fails it: accuracy from ``agree`` alone (the
+    examples full prefill gets wrong counted too)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import latent_rows_probe
+    finally:
+        sys.path.pop(0)
+
+    rows = []
+    for i in range(10):  # full right on 8; direct reuse right on 1; tail16 on 3; focus16 on 7 (+ agrees on a wrong one)
+        full_ok = i < 8
+        res = {"none": {"agree": i == 0, "kl": 0.3}, "tail16": {"agree": i < 3, "kl": 0.2},
+               "focus16": {"agree": i < 7 or i == 9, "kl": 0.05}}
+        rows.append(dict(family="code", full_ok=full_ok, reuse_agree=i == 0, res=res))
+    table = latent_rows_probe.table({"rows": rows})
+    line = next(x for x in table.splitlines() if x.startswith("| held-out, all three | focus16 |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[2] == "10" and cells[3].startswith("70% [")       # 7 of 10 (the 10th agrees with a wrong full)
+    assert cells[4] == "86%"                                       # (0.7 - 0.1) / (0.8 - 0.1)
+    assert cells[5].startswith("+40 [")                            # 7 vs 3, paired
+    assert cells[6] == "80%"                                       # agreement counts every example
+
+
+def test_latent_remedy_paired_matches_cases_by_family_record_direction(tmp_path):
+    """benchmarks/latent_remedy.py --paired: A - B over the same cases, matched by (family, record, direction)
+    whatever the row order, per family and over all. Planted bug that fails it: pairing the two methods' rows by
+    order (here B's rows are reversed)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import latent_remedy
+    finally:
+        sys.path.pop(0)
+    rows = [dict(family="code", record=i, direction=d, method="full", ok=True) for i in range(5) for d in ("a", "b")]
+    a = [dict(family="code", record=i, direction="a->b", method="A", ok=i < 3) for i in range(10)]
+    b = [dict(family="code", record=i, direction="a->b", method="B", ok=i < 2) for i in range(10)][::-1]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": rows + a + b}))
+    out = latent_remedy.paired(str(path), ["A:B"]).splitlines()
+    assert out[2].startswith("| code | A - B | +10 [") and out[3].startswith("| all | A - B | +10 [")
+    assert out[3] == "| all | A - B | +10 [-10, +31] | 10 |"   # by case; paired by row order: [-31, +48]

@@ -37,7 +37,8 @@ class FocusRecomputeCache(BlockReuseCache):
     model, input_ids, blocks, store, block_prefix_ids
         As for :class:`~hf_kvreuse.cache_classes.block_reuse.BlockReuseCache`. The donor prefix of a block is its
         ``block_prefix_ids`` entry (what it was computed after); the own prefix is everything before it in this
-        prompt. A block with no donor prefix (computed standalone) or the same one (``"own"``) gets its tail only.
+        prompt. A block with no donor prefix (computed standalone) or the same one (``"own"``) gets its tail only;
+        a block at token 0 computed standalone (the agent's own prefix from the store) is exact and gets none.
     tokenizer
         The model's tokenizer (its ``batch_decode`` turns ids into words).
     recompute_tokens : int, default=16
@@ -64,13 +65,27 @@ class FocusRecomputeCache(BlockReuseCache):
 
 def block_focus_rows(cache: BlockReuseCache, blocks, k: int, tokenizer, window: int) -> tuple[torch.Tensor, int]:
     """``k`` rows of each of ``blocks`` of a block-reuse cache (absolute, increasing): focus rows against the block's
-    donor prefix, the rest from its tail; and how many were focus rows."""
+    donor prefix, the rest from its tail; and how many were focus rows. A block at token 0 computed standalone is
+    the prompt's own start, exact: none of its rows. The block's token texts and its donor prefix's words are kept
+    with its chunk (``KVChunk.extra``), so a block reused by many calls is decoded once."""
+    from ..focus import token_texts, words
+
     ids = cache.input_ids[0].tolist()
+    key = ("focus_texts", type(tokenizer).__name__, getattr(tokenizer, "name_or_path", None), len(tokenizer)
+           if hasattr(tokenizer, "__len__") else None)
     out, n_focus = [], 0
     for s, e in blocks:
         donor = cache.prefix_for(s)
         donor = None if donor is None else torch.as_tensor(donor).reshape(-1).tolist()
-        rel, nf = focus_then_tail(tokenizer, ids[s:e], ids[:s], donor, k, window)
+        if s == 0 and not donor:
+            continue  # the prompt's own start, computed standalone at 0: exact
+        chunk = getattr(cache, "chunks", {}).get((s, e))
+        kept = {}
+        if chunk is not None and donor:
+            if key not in chunk.extra:  # the chunk's tokens and the prefix it was computed after are its own
+                chunk.extra[key] = (token_texts(tokenizer, ids[s:e]), words(tokenizer, donor))
+            kept = dict(zip(("block_texts", "donor_words"), chunk.extra[key]))
+        rel, nf = focus_then_tail(tokenizer, ids[s:e], ids[:s], donor, k, window, **kept)
         out.append(rel + s)
         n_focus += nf
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.long)), n_focus
