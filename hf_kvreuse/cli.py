@@ -133,7 +133,8 @@ def run(args, checkpoint=None) -> dict:
                 if method == "full" and reference is not None:
                     records.append(dict(reference[(shape, ctx, q)], reference=args.reference))
                     continue
-                session = ReuseSession.for_method(model, method, max_bytes=args.max_bytes)
+                extra = {"method_kwargs": {"tokenizer": tok}} if method.split(":")[0] == "focus" else {}
+                session = ReuseSession.for_method(model, method, max_bytes=args.max_bytes, **extra)
                 run_ = run_workflow(session, tok, doc, item.question, shape=shape, rounds=args.rounds,
                                     max_new_tokens=args.max_new_tokens)
                 turns = [{k: v for k, v in t.__dict__.items() if k != "prompt_ids"} for t in run_.turns]

@@ -119,6 +119,8 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
         from .session import ReuseSession
 
         key = method if not method_kwargs else f"{method}:{sorted(method_kwargs.items())!r}"
+        if method.split(":")[0] == "focus" and "tokenizer" not in (method_kwargs or {}):
+            method_kwargs = {**(method_kwargs or {}), "tokenizer": self.tokenizer}  # the rows are found in words
         with self._session_lock:
             if key not in self.sessions:
                 dict.__setitem__(self.sessions, key,

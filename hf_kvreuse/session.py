@@ -15,8 +15,8 @@ each new prompt,
    the exact prefix, so the returned cache is exact and can serve as an exact prefix later.
 
 Policies: ``"full"`` (plain prefill), ``"prefix"`` (exact prefix only: the vLLM / SGLang baseline),
-``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"`` and
-``"latent"`` over the session's own caches as blocks (RelayCaching-style reuse of earlier agents' K/V, each span
+``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"``, ``"focus"``
+(needs ``method_kwargs=dict(tokenizer=...)``) and ``"latent"`` over the session's own caches as blocks (RelayCaching-style reuse of earlier agents' K/V, each span
 taken with the K/V it had in its earlier call), ``"translated"`` (a smaller model prefills; it needs
 ``method_kwargs=dict(source_model=..., mapper=...)``) and ``"base_lr"`` (multi-LoRA agents over one trajectory:
 the session holds one :class:`~hf_kvreuse.BaseLRCache`, the active peft adapter is the agent of each call).
@@ -42,9 +42,9 @@ from .inputs import prompt_ids
 from .kv import KV, kv_of, load_kv
 from .timing import TokenTimer, synchronize
 
-POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "latent", "translated",
+POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
             "base_lr")
-BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "latent")
+BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "focus", "latent")
 
 #: named reuse modes (the pipeline's and ``hf-kvreuse bench``'s ``method=`` names): every policy by its own name,
 #: plus the OptimisticCache variants of ``"auto"`` (issue 23's comparison, README "Verified drafts, the confidence
@@ -67,9 +67,18 @@ def _cache_options() -> set[str]:
     from . import cache_classes
 
     classes = [getattr(cache_classes, n) for n in ("OptimisticCache", "DirectReuseCache", "BlendCache", "EPICCache",
-                                                   "TailRecomputeCache", "OffsetCache", "LatentRemedyCache",
+                                                   "TailRecomputeCache", "FocusRecomputeCache", "OffsetCache",
+                                                   "LatentRemedyCache",
                                                    "BaseLRCache", "TranslatedCache")]
     return {p for c in classes for p in inspect.signature(c.__init__).parameters if p not in ("self", "model")}
+
+
+def _check_focus(policy: str, method_kwargs: dict | None) -> None:
+    """Policy "focus" (:class:`~hf_kvreuse.cache_classes.focus.FocusRecomputeCache`) finds its rows with the model's
+    tokenizer: refused at once without one."""
+    if policy == "focus" and not callable(getattr((method_kwargs or {}).get("tokenizer"), "batch_decode", None)):
+        raise ValueError("policy='focus' needs the model's tokenizer: method_kwargs={'tokenizer': tokenizer} (it "
+                         "finds the block rows that mention what two prompts' prefixes disagree on)")
 
 
 def resolve_mode(spec: str) -> dict:
@@ -293,6 +302,7 @@ class ReuseSession:
                              "model for each prompt")
         if rebase not in ("verify", "commit"):
             raise ValueError(f"rebase={rebase!r}: choose 'verify' (keeps the answers) or 'commit' (fastest)")
+        _check_focus(policy, method_kwargs)
         self.rebase = rebase
         self.model = model
         self.max_bytes = int(max_bytes)
@@ -396,6 +406,7 @@ class ReuseSession:
         policy = policy or self.policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
+        _check_focus(policy, self.method_kwargs)
         for name in CACHE_NAMES:
             if generate_kwargs.get(name) is not None:
                 raise ValueError(f"ReuseSession builds the cache itself: do not pass {name}=")
@@ -599,11 +610,12 @@ class ReuseSession:
 
     def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict, producer: str):
         """A block-reuse cache whose blocks are the aligned spans, each with the K/V of its earlier call."""
-        from .cache_classes import BlendCache, DirectReuseCache, EPICCache, LatentRemedyCache, TailRecomputeCache
+        from .cache_classes import (BlendCache, DirectReuseCache, EPICCache, FocusRecomputeCache, LatentRemedyCache,
+                                    TailRecomputeCache)
         from .chunk_store import ChunkStore, KVChunk
 
         cls = {"direct": DirectReuseCache, "blend": BlendCache, "epic": EPICCache, "tail": TailRecomputeCache,
-               "latent": LatentRemedyCache}[method]
+               "focus": FocusRecomputeCache, "latent": LatentRemedyCache}[method]
         store = ChunkStore(max_bytes=1 << 62)  # views of held rows, for this call only
         blocks, prefixes = [], []
         for sp in al.spans:

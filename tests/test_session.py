@@ -211,6 +211,36 @@ def test_block_policies(model, policy):
         torch.testing.assert_close(k[..., rows, :], kv_of(ref)[0][0][..., rows, :], atol=1e-5, rtol=1e-5)
 
 
+def test_focus_policy_recomputes_the_rows_the_prefixes_disagree_on(model):
+    """Policy "focus" runs FocusRecomputeCache over the session's caches with the donor call's prefix as each block's
+    donor prefix: a word of the new role text that the donor's lacks, planted in the document, is recomputed; with
+    every row recomputed it is plain generate. Without a tokenizer the session refuses at once.
+    Planted bug that fails it: ``_block_cache`` gives the focus cache no block prefixes (the blocks then look
+    standalone: tail rows only)."""
+    from conftest import WordTokenizer
+
+    tok = WordTokenizer()
+    doc, roles = _agents_round(seed=12)
+    roles[1][0, -1] = 7
+    roles[0][roles[0] == 7] = 8
+    doc[0, 40] = 7                                       # the new role's word, in the shared document
+    for k, exact in ((8, False), (10_000, True)):
+        s = ReuseSession(model, policy="focus", method_kwargs=dict(tokenizer=tok, recompute_tokens=k))
+        s.generate(torch.cat([roles[0], doc], 1), **GEN)
+        ids = torch.cat([roles[1], doc], 1)
+        got = s.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN)
+        st = s.last_stats
+        assert st.method == "focus" and st.cache_stats["focus_rows"] >= 1
+        if exact:
+            ref = plain(model, ids, return_dict_in_generate=True, output_logits=True)
+            assert torch.equal(got.sequences, ref.sequences)
+            torch.testing.assert_close(got.logits[0], ref.logits[0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        ReuseSession(model, policy="focus")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        ReuseSession(model).generate(toks(10, 0), policy="focus", **GEN)
+
+
 def test_budget_and_lru(model):
     """Held bytes never exceed ``max_bytes`` after a call; the least recently *used* cache goes first."""
     one = ReuseSession(model, policy="full")
