@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, FocusRecomputeCache, LatentBridge, LatentRemedyCache,
-                        TailRecomputeCache, enable)
+from hf_kvreuse import (BlendCache, ChunkStore, DirectReuseCache, FocusRecomputeCache, LatentBridge,
+                        LatentRemedyCache, TailRecomputeCache, enable)
 from hf_kvreuse.models import load_offline
 from hf_kvreuse.timing import TokenTimer
 from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct, prompt_parts
@@ -144,8 +144,9 @@ def main(argv=None) -> None:
                                                                  bridge=bridge, **kw),
                              "latent_tail16": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
                                                                         bridge=bridge, tail_tokens=16, **kw),
-                             "latent_focus16": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
-                                                                         bridge=bridge, tail_tokens=16, focus=tok, **kw),
+                             "latent_focus16": lambda: LatentRemedyCache(
+                                 model, torch.tensor([use_ids]), [use_span], bridge=bridge, tail_tokens=16, focus=tok,
+                                 **kw),
                              **{k: (lambda b=b: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span], bridge=b,
                                                                  **kw)) for k, b in extra.items()}}[method]()
                     ans, ttft = run(model, tok, use_ids, cache, a.max_new_tokens)
@@ -281,7 +282,8 @@ def merge(out_path: str, paths: list[str]) -> None:
 
 def paired(path: str, specs: list[str]) -> str:
     """``--paired RESULTS A:B ...``: accuracy of method A minus method B on the same cases (family, record,
-    direction), per family and over all, with Newcombe's paired 95% interval (:func:`hf_kvreuse.cli.paired_difference`).
+    direction), per family and over all, with Newcombe's paired 95% interval
+    (:func:`hf_kvreuse.cli.paired_difference`).
     Merged runs count a case once, as :func:`summarize` does (the first run's row)."""
     from hf_kvreuse.cli import paired_difference
 
@@ -299,7 +301,8 @@ def paired(path: str, specs: list[str]) -> str:
         for fam in fams + [None]:
             keys = sorted(k for k in by[a] if k in by[b] and (fam is None or k[0] == fam))
             d, lo, hi = paired_difference([by[a][k]["ok"] for k in keys], [by[b][k]["ok"] for k in keys])
-            lines.append(f"| {fam or 'all'} | {a} - {b} | {100 * d:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] | {len(keys)} |")
+            lines.append(f"| {fam or 'all'} | {a} - {b} | {100 * d:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] "
+                         f"| {len(keys)} |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ recompute), :mod:`hf_kvreuse.models` (offline and tiny model loaders) and :mod:`
 """
 
 from .cache_classes import (BaseLRCache, BaseLRStats, BlendCache, BlockReuseCache, BlockReuseStats, DirectReuseCache,
-                            EPICCache, FocusRecomputeCache, FocusRecomputeStats, KVReuseCache, LatentRemedyCache, LatentRemedyStats, OffsetCache,
+                            EPICCache, FocusRecomputeCache, FocusRecomputeStats, KVReuseCache, LatentRemedyCache,
+                            LatentRemedyStats, OffsetCache,
                             OptimisticCache, OptimisticStats, TailRecomputeCache, TranslatedCache, TranslatedStats,
                             TurnStats, find_blocks)
 from .chunk_store import ChunkStore, KVChunk

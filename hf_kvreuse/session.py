@@ -16,10 +16,11 @@ each new prompt,
 
 Policies: ``"full"`` (plain prefill), ``"prefix"`` (exact prefix only: the vLLM / SGLang baseline),
 ``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"``, ``"focus"``
-(needs ``method_kwargs=dict(tokenizer=...)``) and ``"latent"`` over the session's own caches as blocks (RelayCaching-style reuse of earlier agents' K/V, each span
-taken with the K/V it had in its earlier call), ``"translated"`` (a smaller model prefills; it needs
-``method_kwargs=dict(source_model=..., mapper=...)``) and ``"base_lr"`` (multi-LoRA agents over one trajectory:
-the session holds one :class:`~hf_kvreuse.BaseLRCache`, the active peft adapter is the agent of each call).
+(needs ``method_kwargs=dict(tokenizer=...)``) and ``"latent"`` over the session's own caches as blocks
+(RelayCaching-style reuse of earlier agents' K/V, each span taken with the K/V it had in its earlier call),
+``"translated"`` (a smaller model prefills; it needs ``method_kwargs=dict(source_model=..., mapper=...)``) and
+``"base_lr"`` (multi-LoRA agents over one trajectory: the session holds one :class:`~hf_kvreuse.BaseLRCache`, the
+active peft adapter is the agent of each call).
 Caches of approximate methods are kept as donors but never as an exact prefix.
 """
 

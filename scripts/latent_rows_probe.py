@@ -16,7 +16,7 @@ Selectors (``k`` rows of the block, recomputed together with the question and an
   words first, up to ``k`` rows; the rows left over go to the tail;
 * ``none`` / ``all``: direct reuse / the whole block (sanity: all = full prefill up to the float16 storage).
 
-    python scripts/latent_rows_probe.py --data /work/i25data/dev_big --k 16 32 --out benchmarks/results/latent_rows_probe.json
+    python scripts/latent_rows_probe.py --data /work/i25data/dev_big --k 16 32 --out results.json
     python scripts/latent_rows_probe.py --table benchmarks/results/latent_rows_probe.json   # the README table
 """
 

@@ -50,7 +50,8 @@ class FocusRecomputeCache(BlockReuseCache):
     def __init__(self, model, input_ids, blocks, tokenizer, store=None, block_prefix_ids=None,
                  recompute_tokens: int = 16, window: int = 8, *, fuse_first_step: bool = True):
         if not callable(getattr(tokenizer, "batch_decode", None)):
-            raise TypeError(f"tokenizer must be the model's tokenizer (with batch_decode), got {type(tokenizer).__name__}")
+            raise TypeError("tokenizer must be the model's tokenizer (with batch_decode), got "
+                            f"{type(tokenizer).__name__}")
         if recompute_tokens < 0 or window < 0:
             raise ValueError(f"recompute_tokens and window must be >= 0, got {recompute_tokens} and {window}")
         self.tokenizer, self.recompute_tokens, self.window = tokenizer, int(recompute_tokens), int(window)
