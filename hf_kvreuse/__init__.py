@@ -20,8 +20,8 @@ from .latent import LatentBridge, LatentBridgeMismatchError
 from .lora import LoraSplit, UnsupportedAdapterError
 from .model_check import UnsupportedModelError
 from .persist import DiskTier, PersistedKVError
-from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer, RandomScorer,
-                          RankDisagreementScorer, Scorer)
+from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchError, OracleScorer,
+                          QuestionAttentionScorer, QuestionWordScorer, RandomScorer, RankDisagreementScorer, Scorer)
 from .rope import UnsupportedRopeError
 from .session import ReuseSession, SessionStats
 
@@ -40,7 +40,7 @@ __all__ = [
     "LatentRemedyCache", "LatentRemedyStats", "LatentBridge", "LatentBridgeMismatchError",
     "BaseLRCache", "BaseLRStats", "TurnStats", "LoraSplit", "UnsupportedAdapterError",
     "TranslatedCache", "TranslatedStats", "KVMapper", "MapperMismatchError", "Scorer", "RankDisagreementScorer",
-    "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer",
+    "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer", "QuestionAttentionScorer", "QuestionWordScorer",
     "ChunkStore", "KVChunk", "DiskTier", "PersistedKVError", "output_cache",
     "enable", "disable", "is_enabled",
     "UnsupportedRopeError", "UnsupportedModelError",

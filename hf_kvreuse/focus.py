@@ -79,9 +79,22 @@ def focus_rows(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], d
         raise ValueError(f"block_texts has {len(texts)} entries for {len(block_ids)} block tokens")
     if not diff or not texts or not budget:
         return torch.zeros(0, dtype=torch.long)
+    return mention_rows(texts, diff, budget, window)
+
+
+def mention_rows(texts: list[str], wanted: set[str], budget: int, window: int = 8, before: int = 0, *,
+                 ordered: bool = False) -> torch.Tensor:
+    """Rows (token indices into ``texts``, :func:`token_texts` of a sequence) whose text holds a word of ``wanted``
+    (lower-cased ``\\w+`` words), each with the ``before`` tokens before it and the ``window`` tokens after it; at
+    most ``budget``, increasing (``ordered``: in the order taken). Occurrences of rarer words (fewer occurrences in
+    the sequence) come first, within a word in order; a window stops at the sequence's end."""
+    if budget < 0 or window < 0 or before < 0:
+        raise ValueError(f"budget, window and before must be >= 0, got {budget}, {window} and {before}")
+    if not wanted or not texts or not budget:
+        return torch.zeros(0, dtype=torch.long)
     text = "".join(texts)
     ends = torch.tensor([len(t) for t in texts]).cumsum(0)  # token j covers [ends[j] - len, ends[j])
-    hits = [m for m in _WORD.finditer(text) if m.group(0).lower() in diff]
+    hits = [m for m in _WORD.finditer(text) if m.group(0).lower() in wanted]
     count = Counter(m.group(0).lower() for m in hits)
     hits.sort(key=lambda m: (count[m.group(0).lower()], m.start()))
     chosen: list[int] = []
@@ -89,13 +102,13 @@ def focus_rows(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], d
     for m in hits:
         first = int(torch.searchsorted(ends, m.start(), right=True))  # the token holding the word's first char
         last = int(torch.searchsorted(ends, m.end() - 1, right=True))
-        for j in range(first, min(last + window, len(texts) - 1) + 1):
+        for j in range(max(0, first - before), min(last + window, len(texts) - 1) + 1):
             if j not in seen and len(chosen) < budget:
                 seen.add(j)
                 chosen.append(j)
         if len(chosen) >= budget:
             break
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    return torch.tensor(chosen if ordered else sorted(chosen), dtype=torch.long)
 
 
 def focus_then_tail(tokenizer, block_ids: Sequence[int], own_prefix: Sequence[int], donor_prefix: Sequence[int] | None,

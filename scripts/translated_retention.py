@@ -116,14 +116,58 @@ def parse_config(text: str) -> dict:
             "prefix": int(parts[3]) if len(parts) == 4 else 0}
 
 
-def scorer_of(name: str):
+def scorer_of(name: str, tok=None, gold=()):
     """A selector name, or ``first-layer@C``: CacheBlend's deviation checked at target layer ``C`` (layers ``0..C``
-    run for every row and stay exact; plain ``first-layer`` checks layer 1)."""
+    run for every row and stay exact; plain ``first-layer`` checks layer 1); ``question-attention@S`` /
+    ``question-words@S``: the question-aware scorers with share ``S`` of the free budget (default 0.5);
+    ``question-attention-plain@S``: without the contrast; ``answer-span@S`` (a diagnosis, not a method: it reads the
+    gold answers): the context rows that mention a word of a gold answer, 4 tokens before and 8 after each."""
+    if name.startswith(("question-attention", "question-words", "answer-span")):
+        from hf_kvreuse.translation.question import QuestionAttentionScorer, QuestionWordScorer
+
+        kind, _, share = name.partition("@")
+        share = float(share) if share else 0.5
+        if kind.startswith("question-attention"):
+            return QuestionAttentionScorer(share=share, contrast=kind != "question-attention-plain")
+        if kind == "question-words":
+            return QuestionWordScorer(tok, share=share)
+        return AnswerSpan(tok, gold, share=share)
     if name.startswith("first-layer@"):
         from hf_kvreuse.translation.scorers import FirstLayerDeviationScorer
 
         return FirstLayerDeviationScorer(check_layer=int(name.split("@", 1)[1]))
     return name
+
+
+def _answer_span_class():
+    from hf_kvreuse.translation.question import QuestionWordScorer
+
+    class AnswerSpan(QuestionWordScorer):
+        """The answer-span oracle: QuestionWordScorer's selection with the gold answers' words as the question's."""
+
+        name = "answer-span"
+
+        def __init__(self, tok, gold, share):
+            super().__init__(tok, share=share, min_chars=1)
+            self.gold = " ".join(gold)
+
+        def priority(self, cache, kv, n, forced):
+            from hf_kvreuse.focus import _WORD, mention_rows, token_texts
+
+            ids = cache.input_ids[0].tolist()
+            texts = token_texts(self.tokenizer, ids)[: max(0, n - cache.suffix_tokens)]
+            wanted = {w.lower() for w in _WORD.findall(self.gold)}
+            order = mention_rows(texts, wanted, budget=len(texts), window=self.after, before=self.before, ordered=True)
+            pri = torch.zeros(n)
+            if order.numel():
+                pri[order] = torch.linspace(1.0, 0.5, order.numel())
+            return pri
+
+    return AnswerSpan
+
+
+def AnswerSpan(tok, gold, share):  # noqa: N802 - builds the class on first use (imports the library lazily)
+    return _answer_span_class()(tok, gold, share)
 
 
 @torch.no_grad()
@@ -180,7 +224,7 @@ def run(a, argv) -> None:
         for c in todo:
             mapper = maps[c["map"]]
             sc = load_kv(DynamicCache(config=src.config), [(k.clone(), v.clone()) for k, v in src_kv])
-            sel = OracleScorer(true_kv) if c["scorer"] == "oracle" else scorer_of(c["scorer"])
+            sel = OracleScorer(true_kv) if c["scorer"] == "oracle" else scorer_of(c["scorer"], tok, ref["gold"])
             cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=c["ratio"], selector=sel,
                                     suffix_tokens=ref["suffix"], source_cache=sc, source_hidden=hidden,
                                     prefix_layers=c["prefix"])
@@ -296,7 +340,7 @@ def exact_layers(c: dict) -> int:
     """Leading target layers every row runs through under configuration ``c``: its ``prefix_layers``, or more when
     the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
-    if 0 < c["ratio"] < 1 and c["scorer"].startswith("first-layer"):
+    if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span")):
         e = max(e, (int(c["scorer"].split("@", 1)[1]) if "@" in c["scorer"] else 1) + 1)
     return e
 

@@ -4,6 +4,7 @@
 from .mapper import (INPUT_KINDS, KVMapper, MapperConfig, MapperMismatchError, MapperStats, PairGeometry, model_identity,
                      run_source)
 from .moments import BlockLayout, BlockMoments
+from .question import QuestionAttentionScorer, QuestionWordScorer, attention_probe
 from .residual import ResidualConfig, apply_residual, fit_residuals, train_residual
 from .scorers import (SCORERS, CombinedScorer, FirstLayerDeviationScorer, OracleScorer, RandomScorer,
                       RankDisagreementScorer, Scorer, make_scorer)
@@ -11,4 +12,5 @@ from .scorers import (SCORERS, CombinedScorer, FirstLayerDeviationScorer, Oracle
 __all__ = ["KVMapper", "MapperConfig", "MapperMismatchError", "MapperStats", "PairGeometry", "model_identity",
            "run_source", "INPUT_KINDS", "ResidualConfig", "fit_residuals", "train_residual", "apply_residual",
            "BlockLayout", "BlockMoments", "SCORERS", "Scorer", "CombinedScorer", "RankDisagreementScorer",
-           "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer", "make_scorer"]
+           "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer", "QuestionAttentionScorer",
+           "QuestionWordScorer", "attention_probe", "make_scorer"]

@@ -240,7 +240,7 @@ class CombinedScorer(Scorer):
         return f"CombinedScorer({self.scorers}, weights={self.weights})"
 
 
-SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank")
+SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank", "question-attention")
 
 
 def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
@@ -264,5 +264,9 @@ def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
         return FirstLayerDeviationScorer()
     if selector == "first-layer+rank":
         return CombinedScorer([FirstLayerDeviationScorer(), RankDisagreementScorer(mapper)])
+    if selector == "question-attention":
+        from .question import QuestionAttentionScorer
+
+        return QuestionAttentionScorer()
     raise ValueError(f"unknown selector {selector!r}: choose one of {SCORERS} (or rank-{{energy,whitened}}[-{{cov,svd}}]) "
                      "or pass a Scorer")
