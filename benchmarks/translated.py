@@ -154,7 +154,7 @@ def main(argv=None) -> None:
                 row["source_s"] = ttft(src, ids)
             else:
                 c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=a.timing_ratio, suffix_tokens=suffix,
-                                    selector=what[1])
+                                    selector=what[1], tokenizer=tok)
                 t = ttft(tgt, ids, cache=c)
                 row["by_selector"][what[1]] = dict({f"t_{k}": v for k, v in c.stats.as_dict().items()},
                                                    translated_s=t)
@@ -233,7 +233,7 @@ def main(argv=None) -> None:
         for ratio, sname in configs:
             sel = {"oracle": OracleScorer(true_kv), "-": "rank"}.get(sname, sname)
             c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=ratio, selector=sel, suffix_tokens=suffix,
-                                source_cache=sc)
+                                source_cache=sc, tokenizer=tok)
             ans, dt = answer(tok, tgt, ids, a.max_new_tokens, cache=c)
             rec["runs"][f"{ratio}/{sname}"] = {"answer": ans, "ok": contains_answer(ans, it.answers),
                                               "agree": ans == full_ans, "recomputed": c.stats.recomputed_tokens}

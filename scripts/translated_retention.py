@@ -119,19 +119,23 @@ def parse_config(text: str) -> dict:
 def scorer_of(name: str, tok=None, gold=()):
     """A selector name, or ``first-layer@C``: CacheBlend's deviation checked at target layer ``C`` (layers ``0..C``
     run for every row and stay exact; plain ``first-layer`` checks layer 1); ``question-attention@S`` /
-    ``question-words@S``: the question-aware scorers with share ``S`` of the free budget (default 0.5);
+    ``question-words@S``: the question-aware scorers with share ``S`` of the free budget (default: the class's,
+    0.5 for attention, 1.0 for words; ``question-words@SrR``: reach ``R`` tokens on either side of a mention);
     ``question-attention-plain@S``: without the contrast; ``answer-span@S`` (a diagnosis, not a method: it reads the
     gold answers): the context rows that mention a word of a gold answer, 4 tokens before and 8 after each."""
     if name.startswith(("question-attention", "question-words", "answer-span")):
         from hf_kvreuse.translation.question import QuestionAttentionScorer, QuestionWordScorer
 
         kind, _, share = name.partition("@")
-        share = float(share) if share else 0.5
+        share, _, reach = share.partition("r")  # question-words@1.0r16: before = after = 16 tokens
+        kw = {"share": float(share)} if share else {}  # default: the class's own
+        if reach:
+            kw.update(before=int(reach), after=int(reach))
         if kind.startswith("question-attention"):
-            return QuestionAttentionScorer(share=share, contrast=kind != "question-attention-plain")
+            return QuestionAttentionScorer(contrast=kind != "question-attention-plain", **kw)
         if kind == "question-words":
-            return QuestionWordScorer(tok, share=share)
-        return AnswerSpan(tok, gold, share=share)
+            return QuestionWordScorer(tok, **kw)
+        return AnswerSpan(tok, gold, share=float(share) if share else 1.0)
     if name.startswith("first-layer@"):
         from hf_kvreuse.translation.scorers import FirstLayerDeviationScorer
 
@@ -341,7 +345,8 @@ def exact_layers(c: dict) -> int:
     the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
     if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span")):
-        e = max(e, (int(c["scorer"].split("@", 1)[1]) if "@" in c["scorer"] else 1) + 1)
+        at_c = c["scorer"].startswith("first-layer@")  # the question scorers' "@" is their share
+        e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else 1) + 1)
     return e
 
 

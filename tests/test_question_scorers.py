@@ -163,7 +163,7 @@ def test_question_words_rank_regions_by_their_rarer_question_words():
     sc = QuestionWordScorer(tok, before=1, after=1, min_chars=1, min_words=1)
     pri = sc.priority(Cache, None, n, torch.zeros(n, dtype=torch.bool))
     assert pri[22:25].tolist() == [1.0, 1.0, 1.0]          # w22 (once in the context) at 23, reach 1
-    assert pri[2:9].tolist() == pytest.approx([1 / 3] * 7)              # w21 three times at 3, 5, 7: counted once per row
+    assert pri[2:9].tolist() == pytest.approx([1 / 3] * 7)  # w21 three times at 3, 5, 7: once per row
     assert pri[44:].abs().sum() == 0 and pri[10:21].abs().sum() == 0
     # two distinct question words needed: only rows within reach of both w21 and w22 (none here) would score
     sc2 = QuestionWordScorer(tok, before=1, after=1, min_chars=1, min_words=2)
@@ -186,3 +186,48 @@ def test_question_scorer_without_a_find_leaves_the_base_selection(pair):
     ref = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.4, selector=RandomScorer(4), suffix_tokens=8)
     tgt.generate(ids, cache=ref, max_new_tokens=1)
     assert sc.chosen.numel() == 0 and torch.equal(c.selected_rows, ref.selected_rows)
+
+
+def test_question_words_ignore_the_chat_templates_own_words():
+    """Words of the tokenizer's chat template (role names, a default system prompt) are not question words: the
+    question's trailing template ("<|im_start|>assistant") would otherwise point at the prompt's head ("You are a
+    helpful assistant"). Planted bug: the template's words not removed -> row 5 (w41) scores."""
+
+    class ChatTokenizer(WordTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+            return [41, 42]
+
+    ids = torch.tensor([[11, 12, 13, 14, 15, 41, 16, 17, 18, 19, 21, 23, 24, 25, 26, 27, 28, 29, 31, 32, 33, 34, 35,
+                         22, 36, 37, 38, 39, 43, 44, 22, 41, 45]])
+
+    class Cache:
+        input_ids, suffix_tokens = ids, 3
+
+    n = ids.shape[1] - 1
+    sc = QuestionWordScorer(ChatTokenizer(), before=1, after=1, min_chars=1, min_words=1)
+    pri = sc.priority(Cache, None, n, torch.zeros(n, dtype=torch.bool))
+    assert torch.nonzero(pri).flatten().tolist() == [22, 23, 24]
+
+
+def test_question_words_by_name_needs_the_tokenizer(pair):
+    """selector="question-words" is refused at construction without tokenizer=, and with it builds the scorer."""
+    src, tgt, mapper = pair
+    ids = _prompt()
+    with pytest.raises(ValueError, match="tokenizer"):
+        TranslatedCache(tgt, src, mapper, ids, selector="question-words")
+    c = TranslatedCache(tgt, src, mapper, ids, selector="question-words", tokenizer=WordTokenizer())
+    assert isinstance(c.scorer, QuestionWordScorer) and c.stats.selector == "question-words"
+    assert isinstance(TranslatedCache(tgt, src, mapper, ids, selector="question-attention").scorer,
+                      QuestionAttentionScorer)
+
+
+def test_default_selector_is_question_words_with_a_tokenizer(pair):
+    """selector="auto" (the default): question-words with tokenizer=, first-layer without. Planted bug: "auto" always
+    first-layer -> fails."""
+    from hf_kvreuse import FirstLayerDeviationScorer
+
+    src, tgt, mapper = pair
+    ids = _prompt()
+    assert isinstance(TranslatedCache(tgt, src, mapper, ids).scorer, FirstLayerDeviationScorer)
+    c = TranslatedCache(tgt, src, mapper, ids, tokenizer=WordTokenizer())
+    assert isinstance(c.scorer, QuestionWordScorer) and c.scorer.share == 1.0

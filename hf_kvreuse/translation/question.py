@@ -210,8 +210,9 @@ class QuestionWordScorer(_QuestionFirst):
         The pair's tokenizer (``batch_decode``).
     base : Scorer, optional
         Ranks the rest of the budget (default :class:`FirstLayerDeviationScorer`).
-    share : float, default=0.5
-        Share of the free budget (after sinks and the question rows) given to the question's regions.
+    share : float, default=1.0
+        Share of the free budget (after sinks and the question rows) the question's regions may take (measured on
+        the Qwen pair: 1.0 keeps more answers than 0.5; rows the regions do not fill go to the base scorer).
     before, after : int, default=8, 8
         Reach of a mention: the rows up to ``before`` tokens before it and ``after`` tokens after it.
     min_chars : int, default=3
@@ -229,7 +230,7 @@ class QuestionWordScorer(_QuestionFirst):
 
     name = "question-words"
 
-    def __init__(self, tokenizer, base: Scorer | None = None, share: float = 0.5, before: int = 8, after: int = 8,
+    def __init__(self, tokenizer, base: Scorer | None = None, share: float = 1.0, before: int = 8, after: int = 8,
                  min_chars: int = 3, stem: int = 5, min_words: int = 2):
         super().__init__(base, share)
         if before < 0 or after < 0 or min_chars < 1 or stem < 1 or min_words < 1:

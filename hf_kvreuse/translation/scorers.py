@@ -240,12 +240,12 @@ class CombinedScorer(Scorer):
         return f"CombinedScorer({self.scorers}, weights={self.weights})"
 
 
-SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank", "question-attention")
+SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank", "question-attention", "question-words")
 
 
-def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
-    """A scorer from a name (``"rank"``, ``"random"``, ``"oracle"`` (needs ``target_kv``), ``"first-layer"``) or an
-    instance (returned as is)."""
+def make_scorer(selector, mapper, target_kv=None, seed: int = 0, tokenizer=None) -> Scorer:
+    """A scorer from a name (``"rank"``, ``"random"``, ``"oracle"`` (needs ``target_kv``), ``"first-layer"``,
+    ``"question-attention"``, ``"question-words"`` (needs ``tokenizer``)) or an instance (returned as is)."""
     if isinstance(selector, Scorer):
         return selector
     if selector == "rank":
@@ -268,5 +268,12 @@ def make_scorer(selector, mapper, target_kv=None, seed: int = 0) -> Scorer:
         from .question import QuestionAttentionScorer
 
         return QuestionAttentionScorer()
+    if selector == "question-words":
+        if tokenizer is None:
+            raise ValueError("selector='question-words' reads the prompt's words: pass tokenizer= (the pair's "
+                             "tokenizer), or QuestionWordScorer(tokenizer)")
+        from .question import QuestionWordScorer
+
+        return QuestionWordScorer(tokenizer)
     raise ValueError(f"unknown selector {selector!r}: choose one of {SCORERS} (or rank-{{energy,whitened}}[-{{cov,svd}}]) "
                      "or pass a Scorer")
