@@ -7,14 +7,17 @@ answer needs exact is the part of the context the question is about. Two ways to
 the selected rows, each spending a ``share`` of the free budget (after the forced sinks and question rows) on its
 rows and the rest on a base scorer (first-layer deviation by default):
 
+* :class:`QuestionWordScorer` (``selector="question-words"``, the default when the cache gets the tokenizer): the
+  context rows near several of the question's rarer words, densest first; no model runs. This project's heuristic
+  (as the focus rows of issue 25). Measured (README, issue 24, n = 100 SQuAD questions, ratio 0.3): 78% of the
+  target's accuracy against 52% for first-layer deviation alone, +21 points [+10, +31] paired.
 * :class:`QuestionAttentionScorer`: SnapKV's observation (Li et al., 2024, "SnapKV: LLM Knows What You Are
   Looking for Before Generation", arXiv 2404.14469): the attention of the prompt's last rows (here the question,
   which the cache recomputes anyway) over the context predicts which positions generation will read. The question
-  rows run through the target's layers over the mapped K/V once; their attention, summed over heads, rows and
-  layers and max-pooled over neighbouring positions (SnapKV's clustering, kernel 7), ranks the context.
-* :class:`QuestionWordScorer`: the context rows that mention a word of the question, with a few tokens around
-  each occurrence (:func:`hf_kvreuse.focus.mention_rows`; this project's heuristic, as the focus rows of issue 25).
-  No model runs; it needs the tokenizer.
+  rows run through the target's layers over the mapped K/V once; their attention, contrasted with that of the rows
+  before the question, summed over heads, rows and layers and max-pooled over neighbouring positions (SnapKV's
+  clustering, kernel 7), ranks the context. Measured: a negative result (42%, -8 [-15, -1] against first-layer
+  deviation): through mapped K/V the question attends to the chat template and the instruction.
 """
 
 from __future__ import annotations
@@ -267,7 +270,9 @@ class QuestionWordScorer(_QuestionFirst):
 
         ids = cache.input_ids[0].tolist()
         # special tokens (<|im_start|>, ...) hold no words: those a plain decode drops
-        special = {t for t in set(ids) if not self.tokenizer.decode([t], skip_special_tokens=True)}
+        uniq = sorted(set(ids))
+        special = {t for t, text in zip(uniq, self.tokenizer.batch_decode([[t] for t in uniq], skip_special_tokens=True))
+                   if not text}
         texts = ["" if t in special else s for t, s in zip(ids, token_texts(self.tokenizer, ids))]
         q_start = max(0, n - cache.suffix_tokens)
         wanted = {self._key(w) for w in _WORD.findall("".join(texts[q_start:]))
