@@ -271,8 +271,8 @@ class QuestionWordScorer(_QuestionFirst):
         ids = cache.input_ids[0].tolist()
         # special tokens (<|im_start|>, ...) hold no words: those a plain decode drops
         uniq = sorted(set(ids))
-        special = {t for t, text in zip(uniq, self.tokenizer.batch_decode([[t] for t in uniq], skip_special_tokens=True))
-                   if not text}
+        alone = self.tokenizer.batch_decode([[t] for t in uniq], skip_special_tokens=True)
+        special = {t for t, text in zip(uniq, alone) if not text}
         texts = ["" if t in special else s for t, s in zip(ids, token_texts(self.tokenizer, ids))]
         q_start = max(0, n - cache.suffix_tokens)
         wanted = {self._key(w) for w in _WORD.findall("".join(texts[q_start:]))
