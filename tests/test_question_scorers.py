@@ -210,7 +210,8 @@ def test_question_words_ignore_the_chat_templates_own_words():
 
 
 def test_question_words_by_name_needs_the_tokenizer(pair):
-    """selector="question-words" is refused at construction without tokenizer=, and with it builds the scorer."""
+    """selector="question-words" is refused at construction without tokenizer=, and with it builds the scorer; a
+    tokenizer too small for the prompt's ids is refused. Planted bug: the size check removed -> no error."""
     src, tgt, mapper = pair
     ids = _prompt()
     with pytest.raises(ValueError, match="tokenizer"):
@@ -219,6 +220,13 @@ def test_question_words_by_name_needs_the_tokenizer(pair):
     assert isinstance(c.scorer, QuestionWordScorer) and c.stats.selector == "question-words"
     assert isinstance(TranslatedCache(tgt, src, mapper, ids, selector="question-attention").scorer,
                       QuestionAttentionScorer)
+
+    class Small(WordTokenizer):
+        def __len__(self):
+            return 50
+
+    with pytest.raises(ValueError, match="outside the tokenizer"):  # another tokenizer than the pair's
+        TranslatedCache(tgt, src, mapper, ids, tokenizer=Small())
 
 
 def test_default_selector_is_question_words_with_a_tokenizer(pair):

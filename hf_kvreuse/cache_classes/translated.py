@@ -171,6 +171,9 @@ class TranslatedCache(KVReuseCache):
         if int(self.input_ids.max()) >= vocab:
             raise ValueError(f"token id {int(self.input_ids.max())} is outside the smaller vocabulary ({vocab}); "
                              "source and target must share a tokenizer")
+        if tokenizer is not None and hasattr(tokenizer, "__len__") and int(self.input_ids.max()) >= len(tokenizer):
+            raise ValueError(f"token id {int(self.input_ids.max())} is outside the tokenizer's {len(tokenizer)} "
+                             "tokens: pass the pair's own tokenizer")
         if source_cache is not None:
             src_kv = kv_of(source_cache)
             have = src_kv[0][0].shape[-2]
@@ -211,19 +214,24 @@ class TranslatedCache(KVReuseCache):
                                               layers=range(self.exact_layers, layers), hidden_states=h)
         self.exact_layers = layers
 
+    def forced_rows(self, n: int) -> tuple[torch.Tensor, int]:
+        """The rows always recomputed at a partial ratio (``[n]`` bool: sinks and suffix) and how many rows the
+        budget ``round(recompute_ratio * n)`` leaves beyond them (the question scorers plan on it)."""
+        forced = torch.zeros(n, dtype=torch.bool)
+        forced[: self.sink_tokens] = True
+        if self.suffix_tokens:
+            forced[max(0, n - self.suffix_tokens):] = True
+        return forced, max(0, int(round(self.recompute_ratio * n)) - int(forced.sum()))
+
     def select(self, scores: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
         """Rows to recompute: forced sinks and suffix, then the highest ``scores`` up to the budget."""
         if self.recompute_ratio >= 1.0:
             return torch.arange(n), 0
         if self.recompute_ratio <= 0.0:
             return torch.zeros(0, dtype=torch.long), 0
-        forced = torch.zeros(n, dtype=torch.bool)
-        forced[: self.sink_tokens] = True
-        if self.suffix_tokens:
-            forced[max(0, n - self.suffix_tokens):] = True
-        budget = int(round(self.recompute_ratio * n))
+        forced, free = self.forced_rows(n)
         candidates = torch.nonzero(~forced).flatten()
-        extra = max(0, min(budget - int(forced.sum()), candidates.numel()))
+        extra = min(free, candidates.numel())
         picked = candidates[torch.topk(scores.float().cpu()[candidates], extra).indices] if extra else candidates[:0]
         return torch.sort(torch.cat([torch.nonzero(forced).flatten(), picked])).values, int(forced.sum())
 

@@ -70,16 +70,10 @@ def attention_probe(model):
 
 
 def _budget(cache, n: int) -> tuple[torch.Tensor, int]:
-    """The rows ``TranslatedCache.select`` forces (sinks, question) and how many it may choose beyond them."""
-    for attr in ("recompute_ratio", "sink_tokens", "suffix_tokens"):
-        if not hasattr(cache, attr):
-            raise TypeError(f"a question scorer needs a TranslatedCache-like cache (no {attr!r} on "
-                            f"{type(cache).__name__})")
-    forced = torch.zeros(n, dtype=torch.bool)
-    forced[: cache.sink_tokens] = True
-    if cache.suffix_tokens:
-        forced[max(0, n - cache.suffix_tokens):] = True
-    return forced, max(0, int(round(cache.recompute_ratio * n)) - int(forced.sum()))
+    """The rows the cache forces and how many it may choose beyond them (``TranslatedCache.forced_rows``)."""
+    if not hasattr(cache, "forced_rows"):
+        raise TypeError(f"a question scorer needs a TranslatedCache (no forced_rows on {type(cache).__name__})")
+    return cache.forced_rows(n)
 
 
 class _QuestionFirst(Scorer):
@@ -255,7 +249,7 @@ class QuestionWordScorer(_QuestionFirst):
                 if hasattr(ids, "keys"):
                     ids = ids["input_ids"]
                 text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
-            except Exception:  # no chat template (a base model, a stand-in tokenizer): nothing to exclude
+            except (AttributeError, ValueError, TypeError):  # no chat template (a base model): nothing to exclude
                 text = ""
             self._template = {self._key(w) for w in _WORD.findall(text)}
         return self._template
