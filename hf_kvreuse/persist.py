@@ -11,7 +11,13 @@ Formats (safetensors + JSON, never pickles):
   start, prefix digest) and ``chunks/<key>.<sha>.safetensors`` (``token_ids``, ``k.<layer>``, ``v.<layer>``, and
   ``anchor.k.<layer>`` / ``anchor.v.<layer>`` for chunks computed under a prefix).
 
-What is checked on load, every time: the sha256 of every file (a torn or edited file is refused), the model's
+Every file follows :mod:`hf_kvreuse.safe_files` (docs/storage-safety.md): a name a manifest records is resolved
+inside its folder (absolute names, ``..`` and symlinks out are refused, for reads and deletions), the manifest and
+each chunk JSON carry the sha256 of their own fields, data files are hashed in memory before the rename that
+publishes them, and a damaged file is rewritten by the next save or put of the same content.
+
+What is checked on load, every time: the manifest's own digest, the sha256 of every file (a torn or edited file is
+refused), the model's
 fingerprint (:func:`hf_kvreuse.chunk_store.model_fingerprint`; a session saved from other weights, another dtype
 or another active adapter is refused), and every tensor against the model: number of layers, KV heads, head dim
 and dtype of each layer (read from the model's own cache after a one-token forward), the same number of rows as
@@ -34,19 +40,19 @@ import hashlib
 import json
 import os
 import time
-import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from . import safe_files
 from .devices import place_kv
 from .kv import KV
 
 FORMAT_SESSION = "hf_kvreuse.session"
 FORMAT_CHUNK = "hf_kvreuse.chunk"
-VERSION = 1
+VERSION = 2  # 2: signed manifests and chunk JSONs, method_kwargs kept per key
 
 __all__ = ["PersistedKVError", "DiskTier", "save_session", "load_session", "kv_layout", "entry_to_record",
            "entry_from_record"]
@@ -118,29 +124,20 @@ def check_kv(kv: KV, layout: KVLayout, tokens: int | Sequence[int], where: str) 
                 raise PersistedKVError(f"{where}: layer {i} {name} holds non-finite values")
 
 
-# -- files ------------------------------------------------------------------------------------------------------
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
-def _tmp_name(folder: Path, suffix: str) -> Path:
-    return folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}{suffix}"
-
-
+# -- files (the rules live in safe_files) ------------------------------------------------------------------------
 def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = _tmp_name(path.parent, ".json")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    _fsync_replace(tmp, path)
+    safe_files.write_json(path.parent, path.name, safe_files.sign(obj))
+
+
+def _read_signed_json(path: Path) -> dict:
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PersistedKVError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(meta, dict) and meta.get("version") not in (None, VERSION):
+        raise PersistedKVError(f"{path}: format version {meta.get('version')} (this hf_kvreuse reads {VERSION}); "
+                               "save it again")
+    return safe_files.check_signed(meta, str(path), error=PersistedKVError)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -153,40 +150,27 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_tensors(folder: Path, tensors: dict[str, torch.Tensor], stem: str) -> tuple[str, str, int]:
-    """Write ``tensors`` as ``<stem><sha>.safetensors`` in ``folder`` (content-addressed: an existing file of the
-    same content is kept). Returns (file name, sha256, bytes)."""
-    from safetensors.torch import save_file
+    """Write ``tensors`` as ``<stem><sha>.safetensors`` in ``folder``, hashed before the rename (content-addressed:
+    an existing file is kept only when its bytes have that digest; a damaged one is rewritten). Returns
+    (file name, sha256, bytes)."""
+    from safetensors.torch import save
 
-    tmp = _tmp_name(folder, ".safetensors")
-    try:
-        save_file({k: _plain(t) for k, t in tensors.items()}, str(tmp), metadata={"format": "hf_kvreuse"})
-        sha = _sha256_file(tmp)
-        name = f"{stem}{sha[:32]}.safetensors"
-        size = tmp.stat().st_size
-        final = folder / name
-        if final.exists() and final.stat().st_size == size:
-            tmp.unlink()
-        else:
-            _fsync_replace(tmp, final)
-        return name, sha, size
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    data = save({k: _plain(t) for k, t in tensors.items()}, metadata={"format": "hf_kvreuse"})
+    sha = safe_files.sha256_bytes(data)
+    name = f"{stem}{sha[:32]}.safetensors"
+    safe_files.write_atomic(folder, name, data, sha)
+    return name, sha, len(data)
 
 
-def _read_tensors(path: Path, sha256: str, device_of=None) -> dict[str, torch.Tensor]:
-    """The tensors of ``path`` after its sha256 matched (read once into memory, hashed, then parsed)."""
+def _read_tensors(folder: Path, name, sha256: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``folder/name`` (contained in ``folder``) after its sha256 matched."""
     from safetensors.torch import load
 
-    data = path.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise PersistedKVError(f"{path}: sha256 {got[:16]}... does not match the recorded {sha256[:16]}... (the file "
-                               "is damaged or was changed after it was written)")
+    data = safe_files.read_verified(folder, name, sha256, str(folder), error=PersistedKVError)
     try:
         return load(data)
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
-        raise PersistedKVError(f"{path}: not a readable safetensors file ({e})") from None
+        raise PersistedKVError(f"{folder / name}: not a readable safetensors file ({e})") from None
 
 
 @contextlib.contextmanager
@@ -346,11 +330,9 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
                        min_donor_tokens=session.min_donor_tokens)
         if hasattr(session, "rebase"):
             options["rebase"] = session.rebase
-    try:
-        json.dumps(session.method_kwargs)
-        options["method_kwargs"] = session.method_kwargs
-    except TypeError:  # models, mappers, ...: given again to load()
-        options["method_kwargs"] = None
+    kept, again = _split_method_kwargs(session.method_kwargs)
+    options["method_kwargs"] = kept
+    options["method_kwargs_not_saved"] = again  # names load() must be given again (models, tokenizers, mappers)
     with _dir_lock(folder):
         records = []
         for e in entries:
@@ -364,15 +346,42 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
     return manifest
 
 
+def _split_method_kwargs(method_kwargs: dict) -> tuple[dict, list[str]]:
+    """``(the JSON-able options, the names of the others)``: each option is kept on its own merits."""
+    kept, again = {}, []
+    for k, v in (method_kwargs or {}).items():
+        try:
+            json.dumps(v)
+            kept[k] = v
+        except (TypeError, ValueError):
+            again.append(k)
+    return kept, sorted(again)
+
+
+def _merge_method_kwargs(saved: dict, where: str, given: dict | None) -> dict:
+    """The saved JSON options plus those given to load; a given value that differs from a saved one, or a
+    non-JSON option the session was saved with and that is not given again, is refused."""
+    kept = dict(saved.get("method_kwargs") or {})
+    again = list(saved.get("method_kwargs_not_saved") or [])
+    given = dict(given or {})
+    clash = {k: (kept[k], v) for k, v in given.items() if k in kept and kept[k] != v}
+    if clash:
+        raise ValueError(f"{where} was saved with method_kwargs " + ", ".join(f"{k}={a!r}" for k, (a, _) in
+                         clash.items()) + "; load was given " + ", ".join(f"{k}={b!r}" for k, (_, b) in clash.items())
+                         + ". Pass the saved values (or leave them out), or build a new session for other options")
+    missing = [k for k in again if k not in given]
+    if missing:
+        raise ValueError(f"{where} was saved with method_kwargs {missing} that cannot be stored (not JSON): pass them "
+                         f"again, e.g. load(path, model, method_kwargs=dict({missing[0]}=...))")
+    return {**kept, **given}
+
+
 def _read_manifest(folder: Path) -> dict:
     path = folder / "manifest.json"
     if not path.exists():
         raise FileNotFoundError(f"no saved ReuseSession in {folder} (expected manifest.json; ReuseSession.save "
                                 "writes it)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PersistedKVError(f"{path}: not valid JSON ({e})") from None
+    manifest = _read_signed_json(path)
     if manifest.get("format") != FORMAT_SESSION:
         raise PersistedKVError(f"{path}: format {manifest.get('format')!r} is not a saved ReuseSession")
     if manifest.get("version") != VERSION:
@@ -383,8 +392,9 @@ def _read_manifest(folder: Path) -> dict:
 def load_session(path, model, session_cls=None, retries: int = 5, **options):
     """A new session over ``model`` holding the caches saved in ``path``, each verified (module docstring).
 
-    ``options`` override the saved session options (``policy``, ``max_bytes``, ``min_span``, ``min_donor_tokens``,
-    ``method_kwargs``; method keyword arguments that were not JSON, such as a source model, must be given again).
+    ``options`` override the saved session options (``policy``, ``max_bytes``, ``min_span``, ``min_donor_tokens``).
+    ``method_kwargs`` are merged with the saved ones: those that were not JSON (a tokenizer, a source model) must be
+    given again, and a value that differs from a saved one is refused (``ValueError``).
     When the saved caches exceed ``max_bytes``, the most recently used ones that fit are kept.
     """
     from .session import ReuseSession, _Entry
@@ -398,16 +408,19 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
         layout = kv_layout(model)
         if session is None:
             saved = dict(manifest["session"])
-            if saved.get("method_kwargs") is None:
-                saved.pop("method_kwargs", None)
+            given = options.pop("method_kwargs", None)
+            saved["method_kwargs"] = _merge_method_kwargs(saved, f"the session in {folder}", given)
+            saved.pop("method_kwargs_not_saved", None)
             saved.update(options)
             session = cls(model, **saved)
         windows = getattr(session, "_windows", None)
         try:
             entries = []
             for rec in manifest["entries"]:
-                where = str(folder / rec["file"])
-                tensors = _read_tensors(folder / rec["file"], rec["sha256"])
+                where = str(safe_files.inside(folder, rec["file"], str(folder), PersistedKVError))
+                tensors = _read_tensors(folder, rec["file"], rec["sha256"])
+                if int(tensors["ids"].numel() if "ids" in tensors else -1) != rec.get("tokens"):
+                    raise PersistedKVError(f"{where}: holds a different number of tokens than its record says")
                 entries.append(entry_from_record(_Entry, tensors, rec["fields"], layout, where, windows))
             break
         except FileNotFoundError:  # a writer replaced the manifest and pruned a file meanwhile: read it again
@@ -485,13 +498,11 @@ class DiskTier:
 
         meta_path = self.folder / f"{self.name(key)}.json"
         try:
-            meta = json.loads(meta_path.read_text())
-            tensors = _read_tensors(self.folder / meta["file"], meta["sha256"])
+            meta = _read_signed_json(meta_path)
+            tensors = _read_tensors(self.folder, meta.get("file"), meta.get("sha256"))
         except FileNotFoundError:  # never written, or evicted by another process meanwhile
             self.misses += 1
             return None
-        except json.JSONDecodeError as e:
-            raise PersistedKVError(f"{meta_path}: not valid JSON ({e})") from None
         where = str(self.folder / meta["file"])
         if meta.get("format") != FORMAT_CHUNK or meta.get("version") != VERSION:
             raise PersistedKVError(f"{meta_path}: format {meta.get('format')!r} v{meta.get('version')} is not a chunk "
@@ -544,8 +555,8 @@ class DiskTier:
             try:
                 meta = json.loads(p.read_text())
                 metas.append((p.stat().st_mtime, p, meta))
-                named.add(meta["file"])
-            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                named.add(str(meta["file"]))
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
                 continue
         _prune(self.folder, "*.safetensors", named, grace_s)
         total = self.nbytes
@@ -554,10 +565,7 @@ class DiskTier:
                 break
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()  # the JSON first: a reader then misses instead of finding a half-deleted chunk
-            f = self.folder / meta["file"]
-            with contextlib.suppress(FileNotFoundError):
-                total -= f.stat().st_size
-                f.unlink()
+            total -= safe_files.remove_inside(self.folder, meta.get("file"))  # never a file outside the folder
             self.evictions += 1
 
     def __repr__(self) -> str:
