@@ -6,6 +6,10 @@ logits decode as token 0) with no error. So :func:`write_artifact` records the s
 JSON, :func:`read_artifact` refuses a file whose sha256 differs, and every loaded floating tensor must be finite.
 Folders written by other tools (peft's adapter folders) get a sidecar ``sha256.json`` (:func:`record_files`,
 :func:`verify_files`).
+
+The file rules are :mod:`hf_kvreuse.safe_files`' (docs/storage-safety.md): the tensor bytes are hashed before the
+rename that publishes them, temporaries have unique names, the JSON carries the sha256 of its own fields
+(``meta_sha256``, checked on load), and a file name a JSON records must stay inside its folder.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import safe_files
 from .models.offline import sha256_of
 
 SIDECAR = "sha256.json"
@@ -36,31 +41,48 @@ def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
 
 
 def _write_json(path: Path, meta: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, default=str))
-    os.replace(tmp, path)  # atomic: a reader sees the old JSON or the new one, never half of it
+    # atomic, unique temporary: a reader sees the old JSON or the new one, never half of it
+    safe_files.write_atomic(path.parent, path.name, json.dumps(meta, indent=2, default=str).encode())
 
 
-def write_artifact(folder: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
-    """``folder/name.safetensors`` and ``folder/name.json`` (``meta`` plus ``"sha256"`` of the tensor file)."""
-    from safetensors.torch import save_file
+def write_artifact(folder: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor], meta: dict,
+                   content_named: bool = False) -> Path:
+    """``folder/name.safetensors`` and ``folder/name.json`` (``meta`` plus ``"file"``, ``"sha256"`` of the tensor
+    file, hashed before its rename, and ``"meta_sha256"``, the JSON's own digest).
+
+    ``content_named``: the tensor file is ``name.<sha>.safetensors`` (for folders several writers share: each JSON
+    then names the tensors its own writer wrote; older tensor files are the caller's to prune)."""
+    from safetensors.torch import save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     check_finite(tensors, f"{name} (not saved)")
-    file = folder / f"{name}.safetensors"
-    tmp = file.with_name(file.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, file)
-    _write_json(folder / f"{name}.json", dict(meta, sha256={file.name: sha256_of(file)}))
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    sha = safe_files.sha256_bytes(data)
+    file = f"{name}.{sha[:32]}.safetensors" if content_named else f"{name}.safetensors"
+    safe_files.write_atomic(folder, file, data, sha)
+    _write_json(folder / f"{name}.json", safe_files.sign(dict(meta, file=file, sha256={file: sha})))
     return folder
 
 
 def read_meta(folder: str | os.PathLike, name: str, what: str) -> dict:
-    path = Path(folder) / f"{name}.json"
+    """The JSON of an artifact, its own digest checked (a JSON without one, from an older hf_kvreuse, is read with
+    a warning)."""
+    path = safe_files.inside(folder, f"{name}.json", what, CorruptArtifactError)
     if not path.exists():
         raise FileNotFoundError(f"no {what} at {folder} (expected {name}.json and {name}.safetensors)")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptArtifactError(f"{what}: {path} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CorruptArtifactError(f"{what}: {path} is not a JSON object")
+    if safe_files.SIGNATURE in meta:
+        safe_files.check_signed(meta, f"{what}: {path}", error=CorruptArtifactError)
+    else:
+        warnings.warn(f"{what}: {path} carries no digest of its own (saved by an older hf_kvreuse): its fields are not "
+                      "verified. Save it again to record one", stacklevel=3)
+    return meta
 
 
 def verify_file(file: Path, recorded: str | None, what: str) -> None:
@@ -77,13 +99,25 @@ def verify_file(file: Path, recorded: str | None, what: str) -> None:
 
 def read_artifact(folder: str | os.PathLike, name: str, what: str) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors and JSON of :func:`write_artifact`, verified (sha256, finite values)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     folder = Path(folder)
     meta = read_meta(folder, name, what)
-    file = folder / f"{name}.safetensors"
-    verify_file(file, (meta.get("sha256") or {}).get(file.name), what)
-    tensors = load_file(str(file))
+    name_ = meta.get("file", f"{name}.safetensors")
+    file = safe_files.inside(folder, name_, what, CorruptArtifactError)
+    recorded = (meta.get("sha256") or {}).get(name_) if isinstance(meta.get("sha256"), dict) else None
+    if recorded is None:
+        verify_file(file, None, what)  # an older save: warns
+        data = file.read_bytes()
+    else:
+        try:
+            data = safe_files.read_verified(folder, name_, recorded, what, CorruptArtifactError)
+        except CorruptArtifactError as e:
+            raise CorruptArtifactError(f"{what}: {e} (the file was changed or corrupted after it was saved)") from None
+    try:
+        tensors = load(data)
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+        raise CorruptArtifactError(f"{what}: {file} is not a readable safetensors file ({e})") from None
     check_finite(tensors, f"{what} ({file})")
     return tensors, meta
 

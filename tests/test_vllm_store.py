@@ -65,14 +65,15 @@ def test_corrupted_entry_is_refused(tmp_path, damage):
     """A changed tensor file, token list or ``exact_len``, or a tensor of another shape, is refused (never loaded):
     the JSON's self-digest and the tensor file's sha256 are checked on every read.
 
-    Planted bug that fails it: ``KVDirStore._parse`` skips the ``meta_sha256`` check (an edited token list then
+    Planted bug that fails it: ``KVDirStore._info_of`` skips the ``check_signed`` check (an edited token list then
     makes the rows serve as the K/V of other tokens)."""
     import json
 
     store = KVDirStore(tmp_path)
     ids = list(range(40, 56))
     info = store.put(ID, ids, *kv_tensors(16))
-    js, st = tmp_path / f"{info.entry_id}.json", tmp_path / f"{info.entry_id}.safetensors"
+    js = tmp_path / f"{info.entry_id}.json"
+    st = tmp_path / json.loads(js.read_text())["file"]
     if damage == "tensor_bytes":
         raw = bytearray(st.read_bytes())
         raw[-7] ^= 0x40

@@ -137,7 +137,8 @@ class KVReuseConnector(KVConnectorBase_V1):
             raise ModelMismatchError(f"KVReuseConnector: model {mc.model!r} is not a local folder; the store "
                                      "identifies models by their safetensors files")
         self.folder = folder
-        self.identity: ModelIdentity = folder_identity(folder, mc.dtype)
+        # the config the engine runs (overrides included) is part of the identity
+        self.identity: ModelIdentity = folder_identity(folder, mc.dtype, getattr(mc, "hf_config", None))
         self._log_file = self.store.path / "_log" / f"{os.getpid()}-{role.name.lower()}.jsonl"
         self._log_file.parent.mkdir(exist_ok=True)
         # scheduler side

@@ -6,6 +6,10 @@ both verify:
 
 * the **weights**: the sha256 of every ``*.safetensors`` file of the folder (names and digests, sorted) and of its
   ``config.json``;
+* the **config the model runs with**: :func:`hf_kvreuse.fingerprint.config_digest` (every config field that
+  changes K/V: RoPE type, theta and scaling, attention multipliers, head sizes, windows, ...), of the config the
+  engine or the transformers model actually uses, so one folder loaded with another ``rope_theta`` (or any other
+  override) is another model;
 * the **compute dtype** of the K/V (float32 K/V of a float32 model are not those of the same weights in bf16).
 
 On the vLLM side the folder is the one vLLM loads (``model_config.model``), hashed when the connector starts. On
@@ -46,24 +50,28 @@ class ModelIdentity:
         The folder (informational: a copy of the same files elsewhere is the same model).
     hf_fingerprint : str or None
         :func:`~hf_kvreuse.fingerprint.model_fingerprint` of a transformers model of these weights, when one wrote.
+    config_sha256 : str
+        :func:`~hf_kvreuse.fingerprint.config_digest` of the config the model runs with.
     """
 
     weights_sha256: str
     dtype: str
     path: str = ""
     hf_fingerprint: str | None = None
+    config_sha256: str = ""
 
     @property
     def key(self) -> str:
         """What two identities must share for their K/V to be interchangeable."""
-        return f"{self.weights_sha256}:{self.dtype}"
+        return f"{self.weights_sha256}:{self.config_sha256}:{self.dtype}"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelIdentity":
-        return cls(weights_sha256=str(d["weights_sha256"]), dtype=str(d["dtype"]), path=str(d.get("path", "")),
+        return cls(weights_sha256=str(d["weights_sha256"]), dtype=str(d["dtype"]),
+                   config_sha256=str(d.get("config_sha256", "")), path=str(d.get("path", "")),
                    hf_fingerprint=d.get("hf_fingerprint"))
 
 
@@ -96,9 +104,19 @@ def folder_digest(folder: str | os.PathLike) -> str:
     return _FOLDER_DIGESTS[stat_key]
 
 
-def folder_identity(folder: str | os.PathLike, dtype) -> ModelIdentity:
-    """The identity of the model vLLM (or anyone) loads from ``folder`` and runs in ``dtype``."""
-    return ModelIdentity(weights_sha256=folder_digest(folder), dtype=_dtype_name(dtype), path=str(folder))
+def folder_identity(folder: str | os.PathLike, dtype, config=None) -> ModelIdentity:
+    """The identity of the model vLLM (or anyone) loads from ``folder`` and runs in ``dtype`` with ``config`` (the
+    config the engine really uses, overrides included: vLLM's ``model_config.hf_config``; default: the folder's
+    own ``config.json`` as transformers reads it)."""
+    from ..fingerprint import config_digest
+
+    weights = folder_digest(folder)  # first: a folder without safetensors weights is refused as such
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(folder))
+    return ModelIdentity(weights_sha256=weights, dtype=_dtype_name(dtype),
+                         config_sha256=config_digest(config), path=str(folder))
 
 
 def _model_folder(model) -> Path:
@@ -145,10 +163,11 @@ _CHECKED: set[tuple] = set()
 def hf_model_identity(model, folder: str | os.PathLike | None = None) -> ModelIdentity:
     """The identity of a transformers ``model``'s K/V, after checking its weights equal ``folder``'s.
 
-    ``folder`` defaults to the model's ``config._name_or_path``. The element-wise comparison runs once per model
+    ``folder`` defaults to the model's ``config._name_or_path``. The config part is the model's own config (a
+    model loaded with another ``rope_theta`` than the folder's is another identity). The element-wise comparison runs once per model
     and weights version (the model fingerprint changes with any write to a parameter).
     """
-    from ..fingerprint import model_fingerprint
+    from ..fingerprint import config_digest, model_fingerprint
 
     folder = Path(folder) if folder is not None else _model_folder(model)
     fp = model_fingerprint(model)
@@ -158,8 +177,5 @@ def hf_model_identity(model, folder: str | os.PathLike | None = None) -> ModelId
         check_weights_match(model, folder)
         _CHECKED.add(key)
     dtype = next(model.parameters()).dtype
-    return ModelIdentity(weights_sha256=digest, dtype=_dtype_name(dtype), path=str(folder), hf_fingerprint=fp)
-
-
-def canonical_json(d: dict) -> str:
-    return json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
+    return ModelIdentity(weights_sha256=digest, dtype=_dtype_name(dtype), config_sha256=config_digest(model.config),
+                         path=str(folder), hf_fingerprint=fp)

@@ -3,18 +3,21 @@
 One entry is the K/V of one token sequence from position 0 (a request's prompt and answer, or a transformers
 prefill), computed by one model (:class:`~hf_kvreuse.vllm.identity.ModelIdentity`):
 
-* ``<id>.safetensors``: ``k`` and ``v``, each ``[layers, kv_heads, tokens, head_dim]``, keys post-RoPE at positions
+* ``<id>.<sha>.safetensors``: ``k`` and ``v``, each ``[layers, kv_heads, tokens, head_dim]``, keys post-RoPE at positions
   ``0..tokens-1`` (as both transformers and vLLM cache them), in the dtype the model computed them;
 * ``<id>.json``: the format tag, the model identity, the token ids, ``exact_len`` (rows ``0..exact_len-1`` are the
   K/V a plain prefill of those tokens computes; rows past it were computed over re-positioned rows and serve only
-  as re-positioned donors), the geometry, who wrote it, the sha256 of the tensor file and a sha256 of the JSON's
-  own fields (an edited token list is detected, not trusted).
+  as re-positioned donors), the geometry, who wrote it, the name and sha256 of the tensor file and a sha256 of
+  the JSON's own fields (an edited token list is detected, not trusted).
 
-Writes are atomic (a temporary file renamed), so several processes (engines on one machine, or machines sharing
-the folder over a network filesystem) may write and read one store; the id is a hash of the model key and the
-tokens, so two writers of the same sequence write the same file. Every read verifies both digests, the tensors'
-shapes against the JSON and that every value is finite; :class:`~hf_kvreuse.artifacts.CorruptArtifactError` names
-the file otherwise.
+Writes follow :mod:`hf_kvreuse.safe_files`: the tensor file is named by its content and hashed before the rename
+that publishes it, then the JSON that names it is renamed into place. Several processes (engines on one machine,
+or machines sharing the folder over a network filesystem) may write and read one store; the id is a hash of the
+model key and the tokens, so two writers of the same sequence write the same JSON name, and whichever JSON a
+reader finds names the tensors its own writer wrote (never one writer's fields over another's K/V). Tensor files no
+JSON names are deleted once older than a minute. Every read verifies both digests, that the tensor file lies in the
+folder, the tensors' shapes against the JSON and that every value is finite;
+:class:`~hf_kvreuse.artifacts.CorruptArtifactError` names the file otherwise.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from typing import Sequence
 
 import torch
 
+from .. import safe_files
 from ..artifacts import CorruptArtifactError, read_artifact, write_artifact
-from .identity import ModelIdentity, ModelMismatchError, canonical_json
+from .identity import ModelIdentity, ModelMismatchError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "hf_kvreuse.kvstore/1"
+FORMAT = "hf_kvreuse.kvstore/2"  # 2: content-named tensor files, identity with the config, whole-JSON digest
+#: seconds a tensor file no JSON names is kept (a reader that read the previous JSON still finds it)
+ORPHAN_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -62,11 +68,6 @@ def entry_id(identity: ModelIdentity, token_ids: Sequence[int]) -> str:
     h = hashlib.sha256(identity.key.encode())
     h.update(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
     return h.hexdigest()[:32]
-
-
-def _self_digest(meta: dict) -> str:
-    return hashlib.sha256(canonical_json({k: v for k, v in meta.items() if k not in ("sha256", "meta_sha256")})
-                          .encode()).hexdigest()
 
 
 class KVDirStore:
@@ -110,33 +111,50 @@ class KVDirStore:
         old = self.info(eid)
         if old is not None and old.exact_len >= exact_len and old.identity.key == identity.key:
             return old  # the same rows are there, at least as exact
-        meta["meta_sha256"] = _self_digest(meta)
         write_artifact(self.path, eid, {"k": k.detach().contiguous().cpu(), "v": v.detach().contiguous().cpu()},
-                       meta)
+                       meta, content_named=True)
+        self._prune(eid)
         return self.info(eid)
+
+    def _prune(self, eid: str) -> None:
+        """Delete tensor files of ``eid`` that its JSON does not name, once older than :data:`ORPHAN_GRACE_S`."""
+        try:
+            named = json.loads((self.path / f"{eid}.json").read_text()).get("file")
+        except (OSError, ValueError, AttributeError):
+            return
+        now = time.time()
+        for f in self.path.glob(f"{eid}.*safetensors"):
+            try:
+                if f.name != named and now - f.stat().st_mtime >= ORPHAN_GRACE_S:
+                    safe_files.remove_inside(self.path, f.name)
+            except FileNotFoundError:
+                pass
 
     # -- index -------------------------------------------------------------------------------------------
     def _parse(self, stem: str, file: Path) -> EntryInfo | None:
         try:
-            meta = json.loads(file.read_text())
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-            if meta.get("meta_sha256") != _self_digest(meta):
-                raise CorruptArtifactError("its fields do not match their recorded sha256 (edited or corrupted)")
-            info = EntryInfo(entry_id=stem, identity=ModelIdentity.from_dict(meta["model"]),
-                             token_ids=tuple(int(t) for t in meta["token_ids"]), exact_len=int(meta["exact_len"]),
-                             layers=int(meta["layers"]), kv_heads=int(meta["kv_heads"]),
-                             head_dim=int(meta["head_dim"]), dtype=str(meta["dtype"]),
-                             written_by=str(meta.get("written_by", "")))
-            if entry_id(info.identity, info.token_ids) != stem:
-                raise CorruptArtifactError("its file name is not the hash of its model and tokens")
-            return info
-        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and CorruptArtifactError are ValueErrors
+            return self._info_of(stem, json.loads(file.read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
             why = f"{type(e).__name__}: {e}"
             if self.refused.get(stem) != why:
                 logger.error("hf_kvreuse K/V store %s: entry %s refused: %s", self.path, stem, why)
             self.refused[stem] = why
             return None
+
+    @staticmethod
+    def _info_of(stem: str, meta: dict) -> EntryInfo:
+        """The entry a JSON describes, after its format and its own digest are checked."""
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}")
+        safe_files.check_signed(meta, f"entry {stem}", error=CorruptArtifactError)
+        info = EntryInfo(entry_id=stem, identity=ModelIdentity.from_dict(meta["model"]),
+                         token_ids=tuple(int(t) for t in meta["token_ids"]), exact_len=int(meta["exact_len"]),
+                         layers=int(meta["layers"]), kv_heads=int(meta["kv_heads"]),
+                         head_dim=int(meta["head_dim"]), dtype=str(meta["dtype"]),
+                         written_by=str(meta.get("written_by", "")))
+        if entry_id(info.identity, info.token_ids) != stem:
+            raise CorruptArtifactError("its file name is not the hash of its model and tokens")
+        return info
 
     def entries(self) -> list[EntryInfo]:
         """Every entry whose JSON parses and verifies (re-read when its file changed), oldest first."""
@@ -190,11 +208,16 @@ class KVDirStore:
         if identity is not None and info.identity.key != identity.key:
             raise ModelMismatchError(f"entry {info.entry_id} holds K/V of {info.identity.path or 'another model'} "
                                      f"({info.identity.key[:16]}...), not of {identity.path} ({identity.key[:16]}...)")
+        # the tensors and the JSON that names them are read together: the fields checked are those of the writer
+        # of these tensors
         tensors, meta = read_artifact(self.path, info.entry_id, "hf_kvreuse K/V store entry")
-        fresh = self._parse(info.entry_id, self.path / f"{info.entry_id}.json")
+        try:
+            fresh = self._info_of(info.entry_id, meta)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CorruptArtifactError(f"K/V store entry {info.entry_id}: {type(e).__name__}: {e}") from None
         if fresh != info:
-            raise CorruptArtifactError(f"K/V store entry {info.entry_id}: its JSON changed or fails its digest since "
-                                       "it was indexed")
+            raise CorruptArtifactError(f"K/V store entry {info.entry_id}: its JSON changed since it was indexed (another "
+                                       "writer replaced the entry); index the store again")
         k, v = tensors.get("k"), tensors.get("v")
         want = (info.layers, info.kv_heads, info.length, info.head_dim)
         for name, t in (("k", k), ("v", v)):
