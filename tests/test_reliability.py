@@ -259,7 +259,9 @@ def test_corrupted_mapper_refused(tiny_pair, tmp_path):
     import json
     meta = json.loads((tmp_path / "nan" / "mapper.json").read_text())
     meta["sha256"] = {f.name: sha256_of(f)}
-    (tmp_path / "nan" / "mapper.json").write_text(json.dumps(meta))
+    from hf_kvreuse.safe_files import sign
+
+    (tmp_path / "nan" / "mapper.json").write_text(json.dumps(sign(meta)))  # re-signed: only the values are wrong
     with pytest.raises(CorruptArtifactError, match="non-finite"):
         KVMapper.load(tmp_path / "nan", src, tgt)
 
