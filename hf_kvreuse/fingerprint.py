@@ -11,7 +11,8 @@ weights files of a folder plus :func:`config_digest` of the config the engine ru
 * **cheap per call**: each parameter's digest is kept with the parameter's version (torch bumps a tensor's
   ``_version`` on every in-place write, ``load_state_dict`` and optimiser steps included; a new tensor has a new
   storage), so a call re-reads only parameters that changed since. A write through ``p.data`` bypasses the
-  version counter: call :func:`forget` (or write through ``p`` under ``torch.no_grad()``) after one. Measured on SmolLM2-135M (fp32, 2-core CPU,
+  version counter: call :func:`forget` (or write through ``p`` under ``torch.no_grad()``) after one.
+  Measured on SmolLM2-135M (fp32, 2-core CPU,
   under load): first call 0.59 s (the old row/column sums: 0.35 s), a cached call 2.7 ms
   (``benchmarks/fingerprint_cost.py``);
 * **config**: :func:`kv_config` keeps every config field except those that cannot change K/V (token ids, names,

@@ -164,7 +164,8 @@ def hf_model_identity(model, folder: str | os.PathLike | None = None) -> ModelId
     """The identity of a transformers ``model``'s K/V, after checking its weights equal ``folder``'s.
 
     ``folder`` defaults to the model's ``config._name_or_path``. The config part is the model's own config (a
-    model loaded with another ``rope_theta`` than the folder's is another identity). The element-wise comparison runs once per model
+    model loaded with another ``rope_theta`` than the folder's is another identity).
+    The element-wise comparison runs once per model
     and weights version (the model fingerprint changes with any write to a parameter).
     """
     from ..fingerprint import config_digest, model_fingerprint

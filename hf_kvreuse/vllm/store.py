@@ -3,7 +3,8 @@
 One entry is the K/V of one token sequence from position 0 (a request's prompt and answer, or a transformers
 prefill), computed by one model (:class:`~hf_kvreuse.vllm.identity.ModelIdentity`):
 
-* ``<id>.<sha>.safetensors``: ``k`` and ``v``, each ``[layers, kv_heads, tokens, head_dim]``, keys post-RoPE at positions
+* ``<id>.<sha>.safetensors``: ``k`` and ``v``, each ``[layers, kv_heads, tokens, head_dim]``, keys post-RoPE at
+  positions
   ``0..tokens-1`` (as both transformers and vLLM cache them), in the dtype the model computed them;
 * ``<id>.json``: the format tag, the model identity, the token ids, ``exact_len`` (rows ``0..exact_len-1`` are the
   K/V a plain prefill of those tokens computes; rows past it were computed over re-positioned rows and serve only
@@ -216,7 +217,8 @@ class KVDirStore:
         except (KeyError, TypeError, AttributeError) as e:
             raise CorruptArtifactError(f"K/V store entry {info.entry_id}: {type(e).__name__}: {e}") from None
         if fresh != info:
-            raise CorruptArtifactError(f"K/V store entry {info.entry_id}: its JSON changed since it was indexed (another "
+            raise CorruptArtifactError(f"K/V store entry {info.entry_id}: its JSON changed since it was indexed "
+                                       f"(another "
                                        "writer replaced the entry); index the store again")
         k, v = tensors.get("k"), tensors.get("v")
         want = (info.layers, info.kv_heads, info.length, info.head_dim)
