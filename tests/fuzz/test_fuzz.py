@@ -157,12 +157,18 @@ def _session_call(prop, s, model, ids, kw, policy=None):
     """One session call against plain generate; returns False when refused (then the session is unchanged)."""
     before = s.held()
     try:
+        ref = _run(model.generate, ids, kw)
+    except RuntimeError:  # options plain generate cannot run (every token masked): the session must fail too
+        with pytest.raises(RuntimeError):
+            _run(lambda x, **k: s.generate(x, policy=policy, **k), ids, kw)
+        _count(prop, "both_fail")
+        return False
+    try:
         out = _run(lambda x, **k: s.generate(x, policy=policy, **k), ids, kw)
     except ValueError as e:
         assert s.held() == before, f"a refused call changed the session ({e})"
         _count(prop, "refused")
         return False
-    ref = _run(model.generate, ids, kw)
     assert_same(out, ref, f"{prop} {kw}")
     method = s.last_stats.method if s.last_stats is not None else "?"
     _count(prop, f"equal:{method}")
@@ -224,7 +230,7 @@ def test_session_prefix_policy_equals_plain_generate(arch, prompts, kw, extra):
 
 @FUZZ
 @given(arch=st.sampled_from(ARCHS), donor=token_lists(8, 48), target=conversations(calls=(0, 0)),
-       cut=st.tuples(st.integers(0, 40), st.integers(1, 40)), kw=generate_options(),
+       cut=st.tuples(st.integers(0, 40), st.integers(1, 40)), kw=generate_options(sampling=False),
        opts=st.fixed_dictionaries({"min_span": st.integers(1, 8), "donor_exact": st.booleans(),
                                    "repair": st.sampled_from([None, "heads"])}))
 def test_optimistic_verify_equals_plain_generate(arch, donor, target, cut, kw, opts):
