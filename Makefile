@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test test-bench-smoke test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
+.PHONY: install demo test fuzz test-bench-smoke test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
 install: $(VENV)/.installed
 
 demo: install
@@ -22,6 +22,10 @@ test: install
 
 test-bench-smoke: install
 	$(PY) -m pytest -q -m bench_smoke
+
+# the property-based fuzzing harness, long profile (docs/fuzzing.md); `make test` runs its fast profile
+fuzz: install
+	HF_KVREUSE_FUZZ=long HF_KVREUSE_FUZZ_REPORT=fuzz-report.json $(PY) -m pytest -q -s tests/fuzz
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

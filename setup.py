@@ -30,7 +30,7 @@ setup(
         # triton: the optional kernels (hf_kvreuse/triton, HF_KVREUSE_KERNELS); tests/test_kernels.py runs them
         # in Triton's interpreter on CPU. Pinned to the version tested with torch 2.13 (3.8.0 passes too);
         # Linux only: triton ships no other wheels.
-        "dev": ["pytest>=8", "hypothesis>=6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6",
+        "dev": ["pytest>=8", "hypothesis>=6.100", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6",
                 "triton==3.9.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7"],
         "triton": ["triton==3.9.0; platform_system == 'Linux'"],

@@ -514,7 +514,9 @@ class ReuseSession:
             for key in used:  # recently useful caches are the last to go
                 if key in self._entries:
                     self._entries.move_to_end(key)
-            if sequences.shape[0] == 1:  # beams / several returned sequences: nothing row-for-row to hold
+            # beams / several returned sequences: nothing row-for-row to hold (a beam cache has one row per beam,
+            # reordered; even its prompt rows come from a batched prefill, not the batch-1 one a later call runs)
+            if sequences.shape[0] == 1 and opts.sequences == 1 and all(k.shape[0] == 1 for k, _ in kv_of(cache)):
                 self._store(cache, sequences, stats, agent, producer)
             else:
                 stats.held_bytes = self.nbytes
@@ -600,7 +602,9 @@ class ReuseSession:
         if method == "optimistic":
             from .cache_classes.optimistic import OptimisticCache
 
-            caches = [entries[d][1].kv for d in donors]
+            # new lists of the held tensors: a cache that releases its donors (``release_donor=True``) empties its
+            # own lists, never the held entries' (their tensors stay alive while the session holds them)
+            caches = [list(entries[d][1].kv) for d in donors]
             dids = [entries[d][1].ids[None] for d in donors]
             exact = [d in trusted for d in donors]
             # held caches were made by this model (under some adapter): no donor probe

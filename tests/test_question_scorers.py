@@ -239,3 +239,52 @@ def test_default_selector_is_question_words_with_a_tokenizer(pair):
     assert isinstance(TranslatedCache(tgt, src, mapper, ids).scorer, FirstLayerDeviationScorer)
     c = TranslatedCache(tgt, src, mapper, ids, tokenizer=WordTokenizer())
     assert isinstance(c.scorer, QuestionWordScorer) and c.scorer.share == 1.0
+
+
+def test_attention_probe_is_invisible_to_another_threads_generate(pair):
+    """While a probe is open in one thread, another thread's plain ``generate`` on the same model returns the same
+    tokens and logits as alone. Planted bug: the probe switches ``config._attn_implementation`` to the eager
+    probe function (the model-wide switch): the other thread's sdpa mask (None) is read by eager as "no mask", it
+    attends to future tokens and its logits differ."""
+    import threading
+
+    _, tgt, _ = pair
+    ids = _prompt(24, seed=9)
+    kw = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              eos_token_id=None, pad_token_id=0)
+    alone = tgt.generate(ids, **kw)
+    got, started, go = {}, threading.Event(), threading.Event()
+
+    def pause(module, args):  # the other thread's prefill has built its mask; the probe opens now
+        if not started.is_set():
+            started.set()
+            go.wait(30)
+
+    hook = tgt.model.layers[0].register_forward_pre_hook(pause)
+    try:
+        t = threading.Thread(target=lambda: got.update(out=tgt.generate(ids, **kw)))
+        t.start()
+        assert started.wait(30)
+        with attention_probe(tgt):
+            go.set()
+            t.join()
+    finally:
+        go.set()
+        hook.remove()
+    assert torch.equal(got["out"].sequences, alone.sequences)
+    for a, b in zip(got["out"].scores, alone.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_probes_exiting_out_of_order_leave_the_model_unchanged(pair):
+    """Two probes (two threads' scorers) that exit in the other order than they entered leave the model's attention
+    implementation and config as they were. Planted bug: each probe saves and restores the implementation it found
+    (no reference count): the model stays on the probe's implementation for good."""
+    _, tgt, _ = pair
+    saved = tgt.config._attn_implementation
+    first, second = attention_probe(tgt), attention_probe(tgt)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert tgt.config._attn_implementation == saved

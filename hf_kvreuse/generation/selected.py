@@ -32,6 +32,11 @@ ATTN_PREFIX = "kvreuse_selected_"
 #: the rows of the partial forward running in this context (a SelectedPositions), or None
 SELECTED: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_selected_rows", default=None)
 
+#: an observer of every attention the wrapper runs in this context, or None: called as
+#: ``observer(module, query, key, allowed, kwargs)`` with ``allowed`` the visible columns (a boolean
+#: ``[..., R, N]`` mask) or None (every row sees every column up to its own position, rows last)
+OBSERVER: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_attention_observer", default=None)
+
 _SWAP_LOCK = threading.Lock()
 _SWAPS: dict[int, list] = {}  # id(config) -> [active partial forwards, the implementation to restore]
 
@@ -75,6 +80,9 @@ def selected_attention_fn(base_fn: Callable) -> Callable:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         sel = SELECTED.get()
+        observer = OBSERVER.get()
+        if observer is not None:
+            observer(module, query, key, _visible(sel, attention_mask, query.device), kwargs)
         if sel is None or not _handles(module, query, key, value, sel, kwargs):
             if sel is not None and sel.has_mask:  # the engine passed a placeholder: the real mask, built now
                 attention_mask = sel.fallback_mask(query.device)
@@ -87,6 +95,19 @@ def selected_attention_fn(base_fn: Callable) -> Callable:
         return out, None
 
     return attention
+
+
+def _visible(sel, attention_mask, device) -> torch.Tensor | None:
+    """The columns each query row sees (boolean), from the selected positions or the mask the model passes."""
+    if sel is not None:
+        q_pos, k_pos, k_valid = sel.on(device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        return allowed & k_valid[None, :] if k_valid is not None else allowed
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
 def register_selected_attention(base_name: str) -> str:
@@ -105,6 +126,20 @@ def selected_rows(model, positions):
     Code that reads the model's attention implementation meanwhile (another thread) should read it through
     :func:`base_attn`. Any interleaving with another swap (BaseLRCache's LoRA attention) stays correct: every
     layer the wrapper does not run gets the wrapped function and the mask the engine passes."""
+    token = SELECTED.set(positions)
+    try:
+        with wrapped_attention(model):
+            yield
+    finally:
+        SELECTED.reset(token)
+
+
+@contextlib.contextmanager
+def wrapped_attention(model):
+    """For the duration of the block the model's attention is the library's wrapper of its own implementation
+    (same mask builder, same function outside this library's contexts: another thread's forward computes what it
+    computes without it), reference-counted across threads and restored by the last one out, whatever the order
+    of exits."""
     config = model.config
     name = register_selected_attention(base_attn(config))
     with _SWAP_LOCK:
@@ -113,11 +148,9 @@ def selected_rows(model, positions):
             entry = _SWAPS[id(config)] = [0, config._attn_implementation]
             config._attn_implementation = name
         entry[0] += 1
-    token = SELECTED.set(positions)
     try:
         yield
     finally:
-        SELECTED.reset(token)
         with _SWAP_LOCK:
             entry[0] -= 1
             if entry[0] == 0:

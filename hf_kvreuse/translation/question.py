@@ -23,50 +23,55 @@ rows and the rest on a base scorer (first-layer deviation by default):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 
 from .scorers import FirstLayerDeviationScorer, Scorer
 
-#: the attention-weight sink of the probe forward running in this context (a list), or None
-_PROBE: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_attention_probe", default=None)
-PROBE_ATTN = "kvreuse_probe_eager"
 
+def _probe_weights(sink: list):
+    """The observer that appends each attention's weights, summed over batch and heads (``[R, N]``), to ``sink``:
+    softmax of the layer's own scaled query-key scores (after its RoPE and norms, as the model's attention gets
+    them) over the columns each row sees, in float32."""
 
-def _probe_attention(base_fn):
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        out, weights = base_fn(module, query, key, value, attention_mask, **kwargs)
-        sink = _PROBE.get()
-        if sink is not None:
-            if weights is None:
-                raise RuntimeError("the attention probe got no attention weights from the eager attention")
-            sink.append(weights.detach().float().sum(dim=(0, 1)))  # [R, N]: summed over batch and heads
-        return out, weights
+    def observe(module, query, key, allowed, kwargs):
+        if kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None or \
+                kwargs.get("sinks") is not None:
+            raise ValueError(f"the attention probe handles full causal attention; {type(module).__name__} passes "
+                             "a sliding window or attention sinks")
+        hq, hk = query.shape[1], key.shape[1]
+        k = key.float().repeat_interleave(hq // hk, dim=1) if hq != hk else key.float()
+        scaling = kwargs.get("scaling")
+        scores = query.float() @ k.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+        softcap = kwargs.get("softcap")
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        r, n = scores.shape[-2:]
+        if allowed is None:  # causal, the rows being the last ones
+            allowed = torch.ones(r, n, dtype=torch.bool, device=scores.device).tril(n - r)
+        scores = scores.masked_fill(~allowed[..., :n].to(scores.device), float("-inf"))
+        sink.append(torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=(0, 1)))
 
-    return attention
+    return observe
 
 
 @contextlib.contextmanager
 def attention_probe(model):
-    """Within the block, the model runs the eager attention (explicit mask, the model's own math) and every layer's
-    attention weights, summed over heads (``[R, N]`` per layer: query rows x columns), are appended to the yielded
-    list.
-    The model's attention implementation is restored on exit (another thread's forward during the block would run
-    eager too, with the same results)."""
-    from ..compat import register_attention_wrapper
+    """Within the block, every attention layer of the model's forwards *in this context* (this thread's) appends
+    its attention weights, summed over heads (``[R, N]`` per layer: query rows x columns), to the yielded list.
 
-    name = register_attention_wrapper(PROBE_ATTN, "eager", _probe_attention)
-    cfg = model.config
-    saved = cfg._attn_implementation
+    Local to the call: the weights are computed from the query and key the model's own attention module passes
+    to its attention function (through the library's wrapper of the model's own implementation, which computes
+    the same thing for every other caller and thread), the model's configuration is left as it was."""
+    from ..generation.selected import OBSERVER, wrapped_attention
+
     sink: list = []
-    token = _PROBE.set(sink)
-    cfg._attn_implementation = name
+    token = OBSERVER.set(_probe_weights(sink))
     try:
-        yield sink
+        with wrapped_attention(model):
+            yield sink
     finally:
-        cfg._attn_implementation = saved
-        _PROBE.reset(token)
+        OBSERVER.reset(token)
 
 
 def _budget(cache, n: int) -> tuple[torch.Tensor, int]:

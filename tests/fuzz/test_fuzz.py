@@ -1,0 +1,333 @@
+"""Property-based fuzzing of the exact paths (``docs/fuzzing.md``).
+
+Random prompts made of shared and fresh segments (so that later calls meet exact prefixes and moved blocks of
+earlier ones), random cache options and random ``generate`` options (every logits processor / warper that
+``generate`` builds from keywords, eos lists, ``max_new_tokens=1``, seeded sampling), over tiny random models of
+several architectures. Properties:
+
+* a call through an exact path (``ReuseSession`` by default, policy ``"prefix"``, ``OptimisticCache`` with
+  ``rebase="verify"``) returns what plain ``generate`` returns (tokens equal, scores close), or is refused with
+  a ``ValueError`` (every error type of this library is one) and leaves the session as it was;
+* the held caches stay usable: a further ordinary call equals plain ``generate``;
+* a saved session whose folder was damaged or made hostile loads only what verifies (the next call equals plain
+  ``generate``) or refuses, and nothing outside the folder is touched.
+
+Profiles (``HF_KVREUSE_FUZZ``): ``fast`` (default, part of ``make test``) and ``long`` (``make fuzz``). The
+cases tried per property are printed at the end of the module and written to ``$HF_KVREUSE_FUZZ_REPORT`` (JSON)
+when that is set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hf_kvreuse import OptimisticCache, ReuseSession, enable  # noqa: E402
+from hf_kvreuse.models import tiny_model  # noqa: E402
+
+settings.register_profile("fast", max_examples=5, deadline=None, derandomize=True, print_blob=True,
+                          suppress_health_check=list(HealthCheck))
+settings.register_profile("long", max_examples=int(os.environ.get("HF_KVREUSE_FUZZ_EXAMPLES", "1500")),
+                          deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
+PROFILE = os.environ.get("HF_KVREUSE_FUZZ", "fast")
+FUZZ = settings.get_profile(PROFILE)
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+VOCAB = 128
+_MODELS: dict = {}
+#: property -> outcome -> cases
+COUNTS: dict[str, Counter] = {}
+
+
+def _count(prop: str, outcome: str) -> None:
+    COUNTS.setdefault(prop, Counter())[outcome] += 1
+    if os.environ.get("HF_KVREUSE_FUZZ_REPORT"):  # written as it goes: a long run stopped early still reports
+        _report(quiet=True)
+
+
+def _report(quiet: bool = False) -> None:
+    if not COUNTS:
+        return
+    rows = {p: dict(c, total=sum(c.values())) for p, c in sorted(COUNTS.items())}
+    path = os.environ.get("HF_KVREUSE_FUZZ_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(dict(profile=PROFILE, properties=rows), indent=1))
+    if not quiet:
+        print(f"\nfuzz cases ({PROFILE} profile):", json.dumps(rows))
+
+
+atexit.register(_report)
+
+
+def model_of(arch: str):
+    if arch not in _MODELS:
+        _MODELS[arch] = enable(tiny_model(arch))
+    return _MODELS[arch]
+
+
+# -- strategies ----------------------------------------------------------------------------------------------
+def token_lists(min_size=1, max_size=24):
+    return st.lists(st.integers(3, VOCAB - 1), min_size=min_size, max_size=max_size)
+
+
+@st.composite
+def conversations(draw, calls=(1, 3)):
+    """Prompts of several calls built from a few segments: shared prefixes, moved blocks and fresh tokens."""
+    segs = draw(st.lists(token_lists(4, 36), min_size=2, max_size=4))
+    prompts = []
+    for _ in range(draw(st.integers(*calls)) + 1):
+        order = draw(st.lists(st.integers(0, len(segs) - 1), min_size=1, max_size=4))
+        ids = [t for i in order for t in segs[i]] + draw(token_lists(0, 6))
+        prompts.append(ids if len(ids) >= 2 else ids + [5, 6])
+    return prompts
+
+
+@st.composite
+def generate_options(draw, sampling=True):
+    """``generate`` keywords: every processor / warper that keywords select, in random combinations."""
+    kw = dict(max_new_tokens=draw(st.sampled_from([1, 2, 3, 5])), pad_token_id=0)
+    eos = draw(st.sampled_from([None, "one", "list"]))
+    kw["eos_token_id"] = None if eos is None else (draw(st.integers(3, VOCAB - 1)) if eos == "one"
+                                                   else draw(st.lists(st.integers(3, VOCAB - 1), min_size=1,
+                                                                      max_size=3)))
+    optional = {
+        "repetition_penalty": st.floats(1.0, 3.0),
+        "no_repeat_ngram_size": st.integers(1, 3),
+        "bad_words_ids": st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=2), min_size=1,
+                                  max_size=3),
+        "sequence_bias": st.dictionaries(st.tuples(st.integers(3, VOCAB - 1)), st.floats(-20, 20), min_size=1,
+                                         max_size=3),
+        "suppress_tokens": st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=4),
+        "begin_suppress_tokens": st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=4),
+        "renormalize_logits": st.just(True),
+        "forced_eos_token_id": st.integers(3, VOCAB - 1),
+    }
+    if kw["eos_token_id"] is not None:
+        optional["min_new_tokens"] = st.integers(1, 3)
+        optional["exponential_decay_length_penalty"] = st.tuples(st.integers(0, 2), st.floats(1.01, 2.0))
+    for name in draw(st.sets(st.sampled_from(sorted(optional)), max_size=4)):
+        kw[name] = draw(optional[name])
+    if "sequence_bias" in kw:
+        kw["sequence_bias"] = {k: float(v) for k, v in kw["sequence_bias"].items()}
+    if sampling and draw(st.booleans()):
+        kw.update(do_sample=True, seed=draw(st.integers(0, 2 ** 16)))
+        warpers = {"temperature": st.floats(0.3, 2.0), "top_k": st.integers(1, 50), "top_p": st.floats(0.1, 1.0),
+                   "min_p": st.floats(0.0, 0.5), "typical_p": st.floats(0.2, 0.99),
+                   "epsilon_cutoff": st.floats(1e-4, 1e-2), "eta_cutoff": st.floats(1e-4, 1e-2)}
+        for name in draw(st.sets(st.sampled_from(sorted(warpers)), max_size=3)):
+            kw[name] = draw(warpers[name])
+    else:
+        kw["do_sample"] = False
+    return kw
+
+
+# -- reference -------------------------------------------------------------------------------------------------
+def _run(fn, ids, kw):
+    kw = dict(kw)
+    seed = kw.pop("seed", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(torch.tensor([ids]), output_scores=True, return_dict_in_generate=True, **kw)
+
+
+def assert_same(out, ref, what: str) -> None:
+    assert torch.equal(out.sequences.cpu(), ref.sequences.cpu()), f"{what}: tokens differ"
+    assert len(out.scores) == len(ref.scores), what
+    for a, b in zip(out.scores, ref.scores):
+        a, b = a.float().cpu(), b.float().cpu()
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{what}: masked tokens differ"
+        fin = torch.isfinite(b)
+        torch.testing.assert_close(a[fin], b[fin], rtol=1e-3, atol=1e-3, msg=what)
+
+
+def _session_call(prop, s, model, ids, kw, policy=None):
+    """One session call against plain generate; returns False when refused (then the session is unchanged)."""
+    before = s.held()
+    try:
+        ref = _run(model.generate, ids, kw)
+    except RuntimeError:  # options plain generate cannot run (every token masked): the session must fail too
+        with pytest.raises(RuntimeError):
+            _run(lambda x, **k: s.generate(x, policy=policy, **k), ids, kw)
+        _count(prop, "both_fail")
+        return False
+    try:
+        out = _run(lambda x, **k: s.generate(x, policy=policy, **k), ids, kw)
+    except ValueError as e:
+        assert s.held() == before, f"a refused call changed the session ({e})"
+        _count(prop, "refused")
+        return False
+    assert_same(out, ref, f"{prop} {kw}")
+    method = s.last_stats.method if s.last_stats is not None else "?"
+    _count(prop, f"equal:{method}")
+    return True
+
+
+# -- properties ------------------------------------------------------------------------------------------------
+CACHE_OPTIONS = st.fixed_dictionaries({"min_span": st.integers(1, 8), "min_donor_tokens": st.integers(1, 40)})
+
+
+def _session_default(prop, arch, prompts, kw, cache):
+    model = model_of(arch)
+    s = ReuseSession(model, **cache)
+    for ids in prompts:
+        _session_call(prop, s, model, ids, kw)
+    _session_call(prop + "_after", s, model, prompts[0] + prompts[-1][:7],
+                  dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0))
+
+
+@FUZZ
+@given(arch=st.sampled_from(ARCHS), prompts=conversations(), kw=generate_options(sampling=False),
+       cache=CACHE_OPTIONS)
+def test_session_default_equals_plain_generate(arch, prompts, kw, cache):
+    """ReuseSession's default (policy "auto", rebase "verify"), greedy with every logits processor: every call
+    equals plain generate (or is refused) and a last greedy call over the held caches equals it too."""
+    _session_default("session_default", arch, prompts, kw, cache)
+
+
+@pytest.mark.skipif(PROFILE == "fast", reason="long profile only (its failure shrinks for minutes)")
+@pytest.mark.xfail(reason="open work on verify's sampling: after a divergent optimistic token, the replayed "
+                          "sampling step draws another token than plain generate with the same seed", strict=False)
+@settings(FUZZ, phases=[Phase.explicit, Phase.generate])
+@given(arch=st.sampled_from(ARCHS), prompts=conversations(),
+       kw=generate_options().filter(lambda kw: kw.get("do_sample")), cache=CACHE_OPTIONS)
+def test_session_default_sampling_equals_plain_generate(arch, prompts, kw, cache):
+    """As above with seeded sampling (every warper): the same tokens as plain generate under the same seed."""
+    _session_default("session_default_sampling", arch, prompts, kw, cache)
+
+
+@FUZZ
+@given(arch=st.sampled_from(ARCHS), prompts=conversations(), kw=generate_options(),
+       extra=st.sampled_from([{}, {"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2},
+                              {"num_return_sequences": 2}]))
+def test_session_prefix_policy_equals_plain_generate(arch, prompts, kw, extra):
+    """Policy "prefix" (exact prefixes only), beam search and several returned sequences included."""
+    model = model_of(arch)
+    if extra.get("num_beams"):
+        kw = {k: v for k, v in kw.items() if k not in ("seed",)}
+        kw["do_sample"] = False
+    elif extra.get("num_return_sequences") and not kw.get("do_sample"):
+        extra = {}
+    kw = dict(kw, **extra)
+    s = ReuseSession(model, policy="prefix")
+    for ids in prompts:
+        _session_call("session_prefix", s, model, ids, kw)
+    _session_call("session_prefix_after", s, model, prompts[-1] + prompts[0][:5],
+                  dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0))
+
+
+@FUZZ
+@given(arch=st.sampled_from(ARCHS), donor=token_lists(8, 48), target=conversations(calls=(0, 0)),
+       cut=st.tuples(st.integers(0, 40), st.integers(1, 40)), kw=generate_options(sampling=False),
+       opts=st.fixed_dictionaries({"min_span": st.integers(1, 8), "donor_exact": st.booleans(),
+                                   "repair": st.sampled_from([None, "heads"])}))
+def test_optimistic_verify_equals_plain_generate(arch, donor, target, cut, kw, opts):
+    """OptimisticCache(rebase="verify") over a random donor (a plain prefill of random tokens, exact) and a target
+    containing a random piece of it: equals plain generate, or refused with a ValueError."""
+    model = model_of(arch)
+    a, m = cut
+    ids = target[0][:5] + donor[a:a + m] + target[0][5:]
+    assume(len(ids) >= 2)
+    with torch.no_grad():
+        d = model(torch.tensor([donor]), use_cache=True).past_key_values
+    opts = {k: v for k, v in opts.items() if v is not None}
+    try:
+        cache = OptimisticCache(model, torch.tensor([ids]), d, torch.tensor([donor]), rebase="verify", **opts)
+        out = _run(lambda x, **k: model.generate(x, past_key_values=cache, **k), ids, kw)
+    except ValueError:
+        _count("optimistic_verify", "refused")
+        return
+    ref = _run(model.generate, ids, kw)
+    assert_same(out, ref, f"optimistic verify {kw} {opts}")
+    _count("optimistic_verify", "equal")
+
+
+HOSTILE = ["truncate", "flip", "foreign_file", "escape_file", "manifest_field", "extra_json", "empty"]
+
+
+@FUZZ
+@given(arch=st.sampled_from(ARCHS[:2]), prompts=conversations(calls=(1, 2)), attack=st.sampled_from(HOSTILE),
+       where=st.integers(0, 10 ** 6))
+def test_hostile_session_folder(tmp_path_factory, arch, prompts, attack, where):
+    """A saved session folder damaged or made hostile: load refuses (a ValueError) or loads what verifies (the next
+    call equals plain generate); the files beside the folder are untouched."""
+    model = model_of(arch)
+    root = tmp_path_factory.mktemp("hostile")
+    outside = root / "outside.txt"
+    outside.write_bytes(b"keep me")
+    folder = root / "session"
+    s = ReuseSession(model)
+    g = dict(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for ids in prompts[:-1]:
+        s.generate(torch.tensor([ids]), **g)
+    s.save(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    tensors = [p for p in files if p.suffix == ".safetensors"]
+    jsons = [p for p in files if p.suffix == ".json"]
+    if attack in ("truncate", "flip") and tensors:
+        p = tensors[where % len(tensors)]
+        data = bytearray(p.read_bytes())
+        if attack == "truncate":
+            data = data[: where % max(len(data), 1)]
+        else:
+            data[where % len(data)] ^= 1 + where % 255
+        p.write_bytes(bytes(data))
+    elif attack in ("foreign_file", "escape_file", "manifest_field") and jsons:
+        p = jsons[where % len(jsons)]
+        text = p.read_text()
+        try:
+            meta = json.loads(text)
+        except ValueError:
+            meta = None
+        if isinstance(meta, dict):
+            _poison(meta, attack, str(outside), where)
+            p.write_text(json.dumps(meta))
+    elif attack == "extra_json":
+        (folder / "zz-extra.json").write_text(json.dumps({"file": str(outside), "format": "hf_kvreuse.chunk"}))
+    elif attack == "empty":
+        for p in files:
+            p.write_bytes(b"")
+    try:
+        loaded = ReuseSession.load(folder, model)
+    except ValueError:
+        _count("hostile_folder", f"refused:{attack}")
+    else:
+        _session_call("hostile_folder_after_load", loaded, model, prompts[-1] + prompts[0][:6], g)
+        loaded.save(folder)
+        _count("hostile_folder", f"loaded:{attack}")
+    assert outside.read_bytes() == b"keep me", f"{attack}: a file outside the folder was changed"
+    assert sorted(p.name for p in root.iterdir()) == ["outside.txt", "session"], f"{attack}: files beside it"
+
+
+def _poison(meta, attack, outside, where):
+    """Rewrite one field of a manifest-like dict (recursively: the first matching key)."""
+    def visit(obj):
+        if isinstance(obj, dict):
+            for k in list(obj):
+                if attack in ("foreign_file", "escape_file") and k == "file":
+                    obj[k] = outside if attack == "foreign_file" else "../outside.txt"
+                    return True
+                if attack == "manifest_field" and k in ("exact", "producer", "sha256", "tokens", "ids"):
+                    v = obj[k]
+                    obj[k] = (not v) if isinstance(v, bool) else ("0" * 64 if isinstance(v, str) else
+                                                                 (v + 1 if isinstance(v, int) else v[::-1]))
+                    return True
+                if visit(obj[k]):
+                    return True
+        elif isinstance(obj, list):
+            return any(visit(x) for x in obj)
+        return False
+
+    visit(meta)
