@@ -364,7 +364,8 @@ def summarize_into(res: dict, refs: dict, configs: list[dict], out: Path) -> Non
         return
     full = [int(refs["items"][i]["full_ok"]) for i in items]
     srcok = [int(refs["items"][i]["source_ok"]) for i in items]
-    summ = {"dataset": refs.get("dataset", "squad"), "n": N, "items": items, "full_accuracy": sum(full) / N, "full_ci": wilson(sum(full), N),
+    summ = {"dataset": refs.get("dataset", "squad"), "n": N, "items": items, "full_accuracy": sum(full) / N,
+            "full_ci": wilson(sum(full), N),
             "source_alone": {"accuracy": sum(srcok) / N, "retention": sum(srcok) / max(1, sum(full)),
                              "retention_ci": bootstrap_ratio(srcok, full),
                              "agreement": sum(refs["items"][i]["source"] == refs["items"][i]["full"] for i in items) / N},
@@ -424,7 +425,8 @@ def exact_layers(c: dict) -> int:
     """Leading target layers every row runs through under configuration ``c``: its ``prefix_layers``, or more when
     the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
-    if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span", "source-attention")):
+    if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span",
+                                                       "source-attention")):
         at_c = c["scorer"].startswith("first-layer@")  # the question scorers' "@" is their share
         e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else 1) + 1)
     return e
@@ -437,18 +439,22 @@ def table(path: str) -> str:
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
     ci = lambda c: f"[{100 * c[0]:.0f}, {100 * c[1]:.0f}]"  # noqa: E731
     pd = lambda t: f"{100 * t[0]:+.0f} [{100 * t[1]:+.0f}, {100 * t[2]:+.0f}]"  # noqa: E731
-    lines = [f"n = {s['n']} SQuAD questions ({d['dtype']}); target full prefill {pct(s['full_accuracy'])} "
+    lines = [f"n = {s['n']} {s.get('dataset', 'squad')} questions ({d['dtype']}); "
+             f"target full prefill {pct(s['full_accuracy'])} "
              f"{ci(s['full_ci'])}; source alone retention {pct(s['source_alone']['retention'])} "
              f"{ci(s['source_alone']['retention_ci'])}", "",
              "| map | ratio | scorer | exact leading layers | recomputed | retention [95% CI] | agreement | vs source alone (pts) "
-             f"| accuracy vs {s['rows'][0]['key']} (pts, paired) | Spearman / top-30% with oracle |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| accuracy vs {s['rows'][0]['key']} (pts, paired) | Spearman / top-30% with oracle | TTFT speedup "
+             "| question-words fallback |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for j, r in enumerate(s["rows"]):
         sp = (f"{r['spearman_with_oracle']:.2f} / {pct(r['top30_overlap'])}" if "spearman_with_oracle" in r else "-")
         first = pd(r["vs_first"]) if j and "vs_first" in r else "-"
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        fallback = pct(r["fallback_rate"]) if "fallback_rate" in r else "-"
         lines.append(f"| {r['map']} | {r['ratio']} | {r['scorer']} | {exact_layers(r)} | {pct(r['recomputed_share'])} | "
                      f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} | "
-                     f"{pd(r['vs_source_alone'])} | {first} | {sp} |")
+                     f"{pd(r['vs_source_alone'])} | {first} | {sp} | {speed} | {fallback} |")
     return "\n".join(lines)
 
 
