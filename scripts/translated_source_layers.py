@@ -5,7 +5,9 @@ prefills the chat QA prompt; for every layer, the attention of the marked suffix
 (:func:`~hf_kvreuse.translation.source_attention.row_attention`, averaged over rows and heads, max-pooled over 7)
 ranks the context rows, and the score of the layer is the share of the answer-span rows (the context tokens that
 mention a word of a gold answer, 4 before and 8 after, as the retention harness's ``answer-span`` diagnosis) that
-fall in its top ``--budget`` share of the context. The layers are then ranked, and the sum over the best ``k`` is
+fall in its top ``--budget`` share of the context (mean over items; answer words of 3+ characters). Three
+readings: ``suffix`` (the marked suffix rows, the selector's default), ``last`` (the last row only), ``contrast``
+(the suffix minus as many rows just before it). The layers are then ranked, and the sum over the best ``k`` is
 scored the same way for k = 1, 2, 4, 8, all. Writes one JSON (config, seed, commit, figures).
 
     python scripts/translated_source_layers.py --n 40 --offset 500 \\
@@ -64,39 +66,52 @@ def main(argv=None) -> None:
         kv = kv_of(cache)
         w = min(suffix - 1, n - 1)
         pos = torch.arange(n - w, n)
-        att = torch.stack([row_attention(source_queries(src, s, hidden[s][n - w:], pos, shifter), kv[s][0][0], pos)
-                           .mean(dim=(0, 1)) for s in range(L)])
+        # per layer: [rows, n] head-averaged attention of the suffix rows and of as many rows before them
+        full = [row_attention(source_queries(src, s, hidden[s][n - 2 * w:], torch.arange(n - 2 * w, n), shifter),
+                              kv[s][0][0], torch.arange(n - 2 * w, n)).mean(0) for s in range(L)]
         texts = token_texts(tok, ids[0].tolist())[: n - w]
-        wanted = {x.lower() for x in _WORD.findall(" ".join(it.answers))}
+        wanted = {x.lower() for x in _WORD.findall(" ".join(it.answers)) if len(x) >= 3} or \
+            {x.lower() for x in _WORD.findall(" ".join(it.answers))}
         ans = mention_rows(texts, wanted, budget=len(texts), window=8, before=4, ordered=True)
-        per_item.append((att[:, 4: n - w].float(), (ans[ans >= 4] - 4)))  # context rows (sinks left out)
+        per_item.append((torch.stack(full)[:, :, 4: n - w].float(), (ans[ans >= 4] - 4), w))
         print(f"item {a.offset + j}: {n} rows, {ans.numel()} answer rows", flush=True)
 
-    def recall(layer_set) -> float:
-        hits = total = 0
-        for att, ans in per_item:
+    def recall(layer_set, variant="suffix") -> float:
+        """Mean over items of the share of answer rows in the top ``budget`` (macro: each item counts once)."""
+        vals = []
+        for att, ans, w in per_item:
             if not ans.numel():
                 continue
-            s = pooled(att[list(layer_set)].sum(0))
+            a_ = att[list(layer_set)]
+            if variant == "suffix":
+                s = a_[:, w:].mean(1).sum(0)
+            elif variant == "last":
+                s = a_[:, -1].sum(0)
+            else:  # contrast: the suffix minus as many rows before it
+                s = (a_[:, w:].mean(1) - a_[:, :w].mean(1)).sum(0)
+            s = pooled(s)
             k = max(1, int(a.budget * s.numel()))
             top = set(torch.topk(s, k).indices.tolist())
-            hits += sum(int(r) in top for r in ans.tolist())
-            total += ans.numel()
-        return hits / max(1, total)
+            vals.append(sum(int(r) in top for r in ans.tolist()) / ans.numel())
+        return sum(vals) / max(1, len(vals))
 
-    per_layer = {s: recall([s]) for s in range(L)}
-    order = sorted(per_layer, key=per_layer.get, reverse=True)
-    best_k = {str(k): {"layers": sorted(order[:k]), "recall": recall(order[:k])} for k in (1, 2, 4, 8, L)}
+    variants = {}
+    for v in ("suffix", "last", "contrast"):
+        per_layer = {s: recall([s], v) for s in range(L)}
+        order = sorted(per_layer, key=per_layer.get, reverse=True)
+        variants[v] = {"per_layer_recall": per_layer, "layer_order": order,
+                       "best_k": {str(k): {"layers": sorted(order[:k]), "recall": recall(order[:k], v)}
+                                  for k in (1, 2, 4, 8, L)}}
+        print(v, "per layer:", {s: round(x, 3) for s, x in per_layer.items()})
+        print(v, "best k:", {k: round(b["recall"], 3) for k, b in variants[v]["best_k"].items()}, flush=True)
     chance = a.budget
     res = {"command": "python scripts/translated_source_layers.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         cwd=HERE).stdout.strip(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a), "seed": None,
            "items": [a.offset, a.offset + a.n], "chance_recall": chance,
-           "per_layer_recall": per_layer, "layer_order": order, "best_k": best_k}
+           "variants": variants}
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print("per layer:", {s: round(v, 3) for s, v in per_layer.items()})
-    print("best k:", best_k, "chance", chance)
 
 
 if __name__ == "__main__":
