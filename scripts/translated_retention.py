@@ -48,7 +48,7 @@ def prepare(a) -> None:
     from hf_kvreuse.kv import kv_of
     from hf_kvreuse.models import load_qwen
     from hf_kvreuse.translation.mapper import run_source
-    from hf_kvreuse.workflows.datasets import contains_answer, qa_chat_ids, squad
+    from hf_kvreuse.workflows.datasets import contains_answer
 
     torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
@@ -57,16 +57,18 @@ def prepare(a) -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     refs_path = work / "refs.json"
-    refs = json.loads(refs_path.read_text()) if refs_path.exists() else {"dtype": a.dtype, "items": {}}
-    if refs["dtype"] != a.dtype:
-        raise SystemExit(f"{work} holds {refs['dtype']} references, not {a.dtype}")
-    items = squad()
+    refs = json.loads(refs_path.read_text()) if refs_path.exists() else {"dtype": a.dtype, "dataset": a.dataset,
+                                                                         "items": {}}
+    if refs["dtype"] != a.dtype or refs.get("dataset", "squad") != a.dataset:
+        raise SystemExit(f"{work} holds {refs.get('dataset', 'squad')} {refs['dtype']} references, not "
+                         f"{a.dataset} {a.dtype}")
+    items = dataset_items(a.dataset, tok)
     t0 = time.perf_counter()
     for i in range(a.offset, a.offset + a.n):
         if str(i) in refs["items"]:
             continue
         it = items[i]
-        ids_list, suffix = qa_chat_ids(tok, it.passage, it.question)
+        ids_list, suffix = prompt_ids(a.dataset, tok, it.passage, it.question)
         ids = torch.tensor([ids_list])
         n = ids.shape[1] - 1
         tc = DynamicCache(config=tgt.config)
@@ -100,6 +102,46 @@ def prepare(a) -> None:
         refs_path.write_text(json.dumps(refs, indent=1))
         print(f"item {i}: {ids.shape[1]} tok, full {full!r} ({refs['items'][str(i)]['full_ok']}), source {source!r} "
               f"({refs['items'][str(i)]['source_ok']}), {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+DATASETS = ("squad", "coqa", "drop", "squad-qfirst")
+
+
+def dataset_items(name: str, tok=None) -> list:
+    """The evaluation items of ``name``: SQuAD (and its question-first layout), CoQA first turns (story + first
+    question), DROP without the passages the default map calibrates on (the first 64 distinct ones)."""
+    from hf_kvreuse.workflows.datasets import coqa_first_turns, drop, squad
+
+    if name in ("squad", "squad-qfirst"):
+        return squad()
+    if name == "coqa":
+        return coqa_first_turns()
+    if name == "drop":
+        items, calib = drop(), set()
+        for it in items:
+            if len(calib) == 64:
+                break
+            calib.add(it.passage)
+        return [it for it in items if it.passage not in calib]
+    raise SystemExit(f"--dataset {name!r}: choose one of {DATASETS}")
+
+
+def prompt_ids(name: str, tok, passage: str, question: str) -> tuple[list[int], int]:
+    """Token ids and the marked suffix length. Passage-then-question layouts: the question and the template's
+    closing tokens (``qa_chat_ids``). ``squad-qfirst``: the question before the passage; the suffix is only the
+    template's closing tokens (no question is marked: the question-words scorer has nothing to read)."""
+    from hf_kvreuse.workflows.datasets import QA_INSTRUCTION, qa_chat_ids
+
+    if name != "squad-qfirst":
+        return qa_chat_ids(tok, passage, question)
+    content = f"{QA_INSTRUCTION}\n\nQuestion: {question}\n\nPassage: {passage}"
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    last = max(i for i, t in enumerate(ids) if t == end)
+    return ids, len(ids) - last
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -136,6 +178,24 @@ def scorer_of(name: str, tok=None, gold=()):
         if kind == "question-words":
             return QuestionWordScorer(tok, **kw)
         return AnswerSpan(tok, gold, share=float(share) if share else 1.0)
+    if name.startswith("source-attention"):  # source-attention[@S][/L0,L1,..][w W][p P]
+        import re
+
+        from hf_kvreuse.translation.source_attention import SourceAttentionScorer
+
+        m = re.fullmatch(r"source-attention(?:@([\d.]+))?(?:/([\d,]+))?(?:w(\d+))?(?:p(\d+))?", name)
+        if m is None:
+            raise SystemExit(f"scorer {name!r}: source-attention[@SHARE][/L0,L1,..][wWINDOW][pPOOL]")
+        kw = {}
+        if m.group(1):
+            kw["share"] = float(m.group(1))
+        if m.group(2):
+            kw["layers"] = [int(x) for x in m.group(2).split(",")]
+        if m.group(3):
+            kw["window"] = int(m.group(3))
+        if m.group(4):
+            kw["pool"] = int(m.group(4))
+        return SourceAttentionScorer(**kw)
     if name.startswith("first-layer@"):
         from hf_kvreuse.translation.scorers import FirstLayerDeviationScorer
 
@@ -224,6 +284,15 @@ def run(a, argv) -> None:
         true_kv = [(d["tgt_k"][t][None].to(dtype), d["tgt_v"][t][None].to(dtype)) for t in range(d["tgt_k"].shape[0])]
         src_kv = [(d["src_k"][s][None].to(dtype), d["src_v"][s][None].to(dtype)) for s in range(d["src_k"].shape[0])]
         hidden = {s: d["src_h"][s].float() for s in range(d["src_h"].shape[0])}
+        if a.timing and "t_full" not in rec:  # the target's full prefill and the source's (hidden states captured)
+            from hf_kvreuse.compat import cache_kwargs
+            from hf_kvreuse.translation.mapper import run_source
+
+            t1 = time.perf_counter()
+            tgt(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **cache_kwargs(DynamicCache(config=tgt.config)))
+            t2 = time.perf_counter()
+            run_source(src, ids[:, :n], DynamicCache(config=src.config), range(src.config.num_hidden_layers + 1))
+            rec["t_full"], rec["t_src"] = t2 - t1, time.perf_counter() - t2
         oracle_err = {}
         for c in todo:
             mapper = maps[c["map"]]
@@ -237,9 +306,12 @@ def run(a, argv) -> None:
             ans = _answer(tok, gen, ids.shape[1])
             run_rec = {"answer": ans, "ok": contains_answer(ans, ref["gold"]), "agree": ans == ref["full"],
                        "recomputed": cache.stats.recomputed_tokens, "exact_layers": cache.stats.exact_layers,
-                       "s": time.perf_counter() - t1}
+                       "s": time.perf_counter() - t1, "assemble_s": cache.stats.assemble_s}
             # the assembled cache against the target's own K/V: recomputed rows (they read mapped K/V of the
             # others) and mapped rows, per layer (sinks, rows 0-3, left out: outliers, always recomputed)
+            if hasattr(cache.scorer, "chosen"):  # question-first scorers: how many rows their own rule chose
+                run_rec["chosen"] = int(cache.scorer.chosen.numel())
+                run_rec["fallback"] = run_rec["chosen"] == 0
             rec_rows = torch.zeros(n, dtype=torch.bool)
             rec_rows[cache.selected_rows] = True
             rec_rows[:4] = False
@@ -292,7 +364,8 @@ def summarize_into(res: dict, refs: dict, configs: list[dict], out: Path) -> Non
         return
     full = [int(refs["items"][i]["full_ok"]) for i in items]
     srcok = [int(refs["items"][i]["source_ok"]) for i in items]
-    summ = {"n": N, "items": items, "full_accuracy": sum(full) / N, "full_ci": wilson(sum(full), N),
+    summ = {"dataset": refs.get("dataset", "squad"), "n": N, "items": items, "full_accuracy": sum(full) / N,
+            "full_ci": wilson(sum(full), N),
             "source_alone": {"accuracy": sum(srcok) / N, "retention": sum(srcok) / max(1, sum(full)),
                              "retention_ci": bootstrap_ratio(srcok, full),
                              "agreement": sum(refs["items"][i]["source"] == refs["items"][i]["full"] for i in items) / N},
@@ -306,6 +379,14 @@ def summarize_into(res: dict, refs: dict, configs: list[dict], out: Path) -> Non
                    vs_source_alone=paired_difference(ok, srcok), vs_first=paired_difference(ok, first),
                    recomputed_share=sum(res["items"][i]["runs"][c["key"]]["recomputed"] /
                                         (refs["items"][i]["tokens"] - 1) for i in items) / N)
+        if all("t_full" in res["items"][i] for i in items):  # TTFT: source prefill + assembly vs full prefill
+            full_s = sum(res["items"][i]["t_full"] for i in items)
+            ours = sum(res["items"][i]["t_src"] + res["items"][i]["runs"][c["key"]]["assemble_s"] for i in items)
+            row["speedup"] = full_s / ours
+        fb = [res["items"][i]["runs"][c["key"]].get("fallback") for i in items]
+        if all(x is not None for x in fb):
+            row["fallback_rate"] = sum(fb) / N
+        row["scorer_name"] = c["scorer"]
         sp = [res["items"][i]["runs"][c["key"]].get("spearman") for i in items]
         if all(x is not None for x in sp):
             row["spearman_with_oracle"] = sum(sp) / N
@@ -344,7 +425,8 @@ def exact_layers(c: dict) -> int:
     """Leading target layers every row runs through under configuration ``c``: its ``prefix_layers``, or more when
     the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
-    if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span")):
+    if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span",
+                                                       "source-attention")):
         at_c = c["scorer"].startswith("first-layer@")  # the question scorers' "@" is their share
         e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else 1) + 1)
     return e
@@ -357,18 +439,22 @@ def table(path: str) -> str:
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
     ci = lambda c: f"[{100 * c[0]:.0f}, {100 * c[1]:.0f}]"  # noqa: E731
     pd = lambda t: f"{100 * t[0]:+.0f} [{100 * t[1]:+.0f}, {100 * t[2]:+.0f}]"  # noqa: E731
-    lines = [f"n = {s['n']} SQuAD questions ({d['dtype']}); target full prefill {pct(s['full_accuracy'])} "
+    lines = [f"n = {s['n']} {s.get('dataset', 'squad')} questions ({d['dtype']}); "
+             f"target full prefill {pct(s['full_accuracy'])} "
              f"{ci(s['full_ci'])}; source alone retention {pct(s['source_alone']['retention'])} "
              f"{ci(s['source_alone']['retention_ci'])}", "",
              "| map | ratio | scorer | exact leading layers | recomputed | retention [95% CI] | agreement | vs source alone (pts) "
-             f"| accuracy vs {s['rows'][0]['key']} (pts, paired) | Spearman / top-30% with oracle |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| accuracy vs {s['rows'][0]['key']} (pts, paired) | Spearman / top-30% with oracle | TTFT speedup "
+             "| question-words fallback |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for j, r in enumerate(s["rows"]):
         sp = (f"{r['spearman_with_oracle']:.2f} / {pct(r['top30_overlap'])}" if "spearman_with_oracle" in r else "-")
         first = pd(r["vs_first"]) if j and "vs_first" in r else "-"
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        fallback = pct(r["fallback_rate"]) if "fallback_rate" in r else "-"
         lines.append(f"| {r['map']} | {r['ratio']} | {r['scorer']} | {exact_layers(r)} | {pct(r['recomputed_share'])} | "
                      f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} | "
-                     f"{pd(r['vs_source_alone'])} | {first} | {sp} |")
+                     f"{pd(r['vs_source_alone'])} | {first} | {sp} | {speed} | {fallback} |")
     return "\n".join(lines)
 
 
@@ -376,6 +462,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["prepare", "run", "summarize", "table"])
     p.add_argument("--inputs", nargs="*", default=[], help="summarize: run JSONs to merge; table: the JSON")
+    p.add_argument("--dataset", choices=DATASETS, default="squad",
+                   help="prepare: the items and the prompt layout (stored with the references)")
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=10)
@@ -387,6 +475,8 @@ def main(argv=None) -> None:
                    help="MAP:RATIO:SCORER[:EXACT_LAYERS] (scorer: rank, random, oracle, first-layer, first-layer@C (deviation "
                         "at layer C, layers 0..C exact), ...); summarize: "
                         "the row order (default: as found)")
+    p.add_argument("--no-timing", dest="timing", action="store_false",
+                   help="run: skip timing the full prefill and the source prefill per item (no speedup column)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.command == "prepare":

@@ -182,11 +182,12 @@ class TranslatedCache(KVReuseCache):
                                  f"{g.source_layers} layers and the prompt needs {self.input_ids.shape[1] - 1}")
             check_donor(source_model, source_cache, self.input_ids, self.input_ids.shape[1] - 1,
                         who=type(self).__name__, what="source_cache (of the source model)")
-        need = mapper.hidden_layers
+        need = self.source_hidden_layers()
         if source_cache is not None and need:
             missing = [s for s in need if source_hidden is None or s not in source_hidden]
             if missing:
-                raise ValueError(f"this KVMapper ({mapper.kind}) reads the source's hidden states of layers {missing}, "
+                raise ValueError(f"this KVMapper ({mapper.kind}) or selector ({self.scorer.name}) reads the source's "
+                                 f"hidden states of layers {missing}, "
                                  "which a source cache does not hold: pass source_hidden= from the same prefill "
                                  "(run_source), or no source_cache (the source prefill then runs)")
             short = [s for s in need if source_hidden[s].shape[-2] < self.input_ids.shape[1] - 1]
@@ -202,6 +203,13 @@ class TranslatedCache(KVReuseCache):
 
     _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter", "source_cache",
                                                   "source_hidden")
+
+    def source_hidden_layers(self) -> list[int]:
+        """The source layers whose normalised hidden states the map or the selector reads."""
+        need = set(self.mapper.hidden_layers)
+        if hasattr(self.scorer, "source_layers"):
+            need |= set(self.scorer.source_layers(self.source_model))
+        return sorted(need)
 
     def run_prefix(self, kv, n: int, layers: int) -> None:
         """Run every row through target layers ``exact_layers .. layers - 1`` (their K/V become exact); keep the
@@ -250,15 +258,16 @@ class TranslatedCache(KVReuseCache):
         # 1. source prefill (unless the source's own cache of the prompt was given)
         src_dev = input_device(self.source_model)
         hidden = None
+        need = self.source_hidden_layers()
         if self.source_cache is not None:
             src_kv = [(k[..., :n, :], v[..., :n, :]) for k, v in kv_of(self.source_cache)]
             src_dev = src_kv[0][0].device
-            if self.mapper.hidden_layers:
-                hidden = {s: h.reshape(-1, h.shape[-1])[:n] for s, h in self.source_hidden.items()}
+            if need:
+                hidden = {s: self.source_hidden[s].reshape(-1, self.source_hidden[s].shape[-1])[:n] for s in need}
         else:
             src_cache = DynamicCache(config=self.source_model.config)
-            if self.mapper.hidden_layers:
-                hidden = run_source(self.source_model, ids.to(src_dev), src_cache, self.mapper.hidden_layers)
+            if need:
+                hidden = run_source(self.source_model, ids.to(src_dev), src_cache, need)
             else:
                 self.source_model(input_ids=ids.to(src_dev), use_cache=True, logits_to_keep=1,
                                   **cache_kwargs(src_cache))
@@ -267,6 +276,8 @@ class TranslatedCache(KVReuseCache):
         # 2. map (the scorer observes each target layer's mapped K/V on the way)
         dtype = next(model.parameters()).dtype
         self.scorer.reset(n, device)
+        if hasattr(self.scorer, "observe_source"):  # the source's own attention (source-attention selector)
+            self.scorer.observe_source(self, src_kv, hidden, n)
         kv = self.mapper.translate(src_kv, torch.arange(n, device=src_dev), self._src_shifter,
                                    self._shifter, dtype, device, observe=self.scorer.observe, hidden=hidden)
         del src_kv, hidden

