@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import threading
@@ -38,6 +39,8 @@ CACHE_ENV = "HF_KVREUSE_KERNEL_CACHE"
 FORMAT = 1
 MAX_FILE_BYTES = 4 << 20
 BACKENDS = ("torch", "triton")
+#: a path's name: a backend, optionally with a tile variant of the Triton kernel (``"triton:bm16"``)
+PATH_NAME = re.compile(r"^(torch|triton)(:[a-z0-9]{1,16})?$")
 
 #: result equality against the torch reference, per result dtype (the GPU kernel tests' tolerances)
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),
@@ -91,7 +94,8 @@ def _equal(got, want) -> str | None:
 
 @dataclass
 class Choice:
-    """One measured (or refused) choice: the backend kept, each path's median seconds and why a path was out."""
+    """One measured choice: the path kept (``"torch"``, ``"triton"`` or a tile variant ``"triton:<name>"``),
+    each path's median seconds and why a path was out."""
 
     backend: str
     seconds: dict = field(default_factory=dict)
@@ -102,15 +106,15 @@ class Choice:
 
     @classmethod
     def from_json(cls, d) -> "Choice":
-        if not isinstance(d, dict) or d.get("backend") not in BACKENDS:
+        if not isinstance(d, dict) or not isinstance(d.get("backend"), str) or not PATH_NAME.match(d["backend"]):
             raise ValueError("entry without a known backend")
         secs, refused = d.get("seconds", {}), d.get("refused", {})
         if not isinstance(secs, dict) or not isinstance(refused, dict):
             raise ValueError("malformed entry")
         for k, v in secs.items():
-            if k not in BACKENDS or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not PATH_NAME.match(k) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"bad timing {k}={v!r}")
-        if not all(k in BACKENDS and isinstance(v, str) for k, v in refused.items()):
+        if not all(PATH_NAME.match(k) and isinstance(v, str) for k, v in refused.items()):
             raise ValueError("bad refusal")
         if d["backend"] in refused:
             raise ValueError("the chosen backend was refused")

@@ -224,6 +224,13 @@ def lowrank_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return lowrank_attention_torch(query, key, value, L, Bw, s, attention_mask, scaling)
 
 
+#: tile variants of the selected-row attention kernel that measured ``auto`` tries beside its default tiles
+#: (:func:`hf_kvreuse.triton.sizing.attention_tiles`): 16-row tiles (the decode tiling) and 32-column key tiles (the
+#: low-rank kernel's), both no larger than the defaults the compile check found to compile without a spill on sm_80
+#: and sm_90 (shared memory is fitted to the target by the same rule); ``None`` keeps the default of that side
+SELECTED_TILE_VARIANTS = {"bm16": (16, None), "bn32": (None, 32)}
+
+
 def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions, scaling: float,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of selected rows ``q`` ``[B, Hq, R, D]`` over ``k``/``v`` ``[B, Hkv, N, D]``, each row seeing the
@@ -239,11 +246,21 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out, block_m=positions.block_m,
                                          block_n=positions.block_n, ends=functools.partial(positions.ends, q.device))
 
+    def run_triton_tiles(block_m, block_n, out=None):
+        return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out, block_m=block_m,
+                                         block_n=block_n, ends=functools.partial(positions.ends, q.device))
+
     def run_torch(out=None):
         return selected_attention_blocked(q, k, v, q_pos, k_pos, scaling, k_valid, plan=positions.plan(q.device),
                                           out=out)
 
-    if measured(backend(q), "selected_attention", q, (*q.shape, k.shape[1], k.shape[2]),
-                dict(torch=run_torch, triton=run_triton)) == "triton":
+    paths = dict(torch=run_torch, triton=run_triton)
+    if positions.block_m is None and positions.block_n is None:  # tile variants, measured like the backends
+        for name, (bm, bn) in SELECTED_TILE_VARIANTS.items():
+            paths[f"triton:{name}"] = functools.partial(run_triton_tiles, bm, bn)
+    choice = measured(backend(q), "selected_attention", q, (*q.shape, k.shape[1], k.shape[2]), paths)
+    if choice == "triton":
         return run_triton(out)
+    if choice.startswith("triton:"):
+        return run_triton_tiles(*SELECTED_TILE_VARIANTS[choice.split(":", 1)[1]], out=out)
     return run_torch(out)

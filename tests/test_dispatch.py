@@ -234,3 +234,41 @@ def test_stats_report_the_measured_choices(monkeypatch, tmp_path, clock, costs):
     assert runs["torch"][1] == "torch"
     assert runs["auto"][1].startswith("auto(") and "rope_rebase=triton" in runs["auto"][1], runs["auto"][1]
     assert torch.equal(runs["auto"][0], runs["torch"][0])
+
+
+def test_tile_variant_chosen_when_fastest(monkeypatch, tmp_path, clock):
+    """Selected-row attention's tile variants are measured beside the default tiles and torch: the variant the
+    clock says is fastest is kept, and the real call runs the kernel with that variant's tiles (its result equal
+    to the torch reference); a variant that differs from the reference is refused.
+
+    Planted bug that fails it: :func:`kernels.selected_attention` runs a chosen variant with the default tiles
+    (``run_triton(out)`` for every ``"triton..."`` choice)."""
+    from hf_kvreuse.triton import selected_attention as sa
+
+    d = _install(monkeypatch, tmp_path, clock)
+    seen = []
+    orig_t, orig_b = sa.selected_attention_triton, sa.selected_attention_blocked
+    cost = {(None, None): 3.0, (16, None): 1.0, (None, 32): 2.0}
+
+    def triton(*a, block_m=None, block_n=None, **k):
+        seen.append((block_m, block_n))
+        clock.t += cost[(block_m, block_n)]
+        out = orig_t(*a, block_m=block_m, block_n=block_n, **k)
+        return out.add_(1.0) if (block_m, block_n) == (None, 32) else out  # a wrong variant
+
+    def blocked(*a, **k):
+        clock.t += 5.0
+        return orig_b(*a, **k)
+
+    monkeypatch.setattr(sa, "selected_attention_triton", triton)
+    monkeypatch.setattr(sa, "selected_attention_blocked", blocked)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (5, 9, 9))
+    pos = sa.SelectedPositions(torch.tensor([1, 3, 4, 6, 8]), torch.arange(9))
+    got = kernels.selected_attention(q, k, v, pos, 0.25)
+    qp, kp, kvalid = pos.on(q.device)
+    want = orig_b(q, k, v, qp, kp, 0.25, kvalid, plan=pos.plan(q.device))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    choice = next(c for key, c in d.choices("cpu").items() if key.startswith("selected_attention"))
+    assert choice.backend == "triton:bm16" and "triton:bn32" in choice.refused, choice
+    assert seen[-1] == (16, None)
