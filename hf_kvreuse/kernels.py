@@ -3,7 +3,10 @@
 The environment variable ``HF_KVREUSE_KERNELS`` picks the backend, read at each call:
 
 ``auto`` (default)
-    Triton for CUDA tensors when ``triton`` imports, torch otherwise.
+    For CUDA tensors, when ``triton`` imports: measured. The first call of each kernel for a (device name,
+    dtype, shape bucket) runs the Triton and torch paths on scratch copies, keeps only a path whose result
+    equals the torch reference, times them and keeps the faster (:mod:`hf_kvreuse.dispatch`; the choices are
+    cached in memory and on disk, and reported in the caches' ``stats.kernels``). Torch otherwise.
 ``torch``
     Always the eager torch code.
 ``triton``
@@ -22,6 +25,8 @@ import functools
 import os
 
 import torch
+
+from .dispatch import dispatcher
 
 ENV_VAR = "HF_KVREUSE_KERNELS"
 MODES = ("auto", "torch", "triton")
@@ -67,7 +72,9 @@ def backend_name(device: torch.device | str) -> str:
         return "torch"
     cuda = torch.device(device).type == "cuda"
     if m == "auto":
-        return "triton" if cuda and triton_available() else "torch"
+        # "triton" here means: the kernel functions below choose, measured (see measured())
+        return "triton" if triton_available() and (cuda or (dispatcher().measure_cpu and _interpreting())) \
+            else "torch"
     if not triton_available():
         raise RuntimeError(f"{ENV_VAR}=triton but triton does not import: pip install 'hf_kvreuse[triton]', "
                            f"or set {ENV_VAR}=auto / torch")
@@ -86,12 +93,40 @@ def backend(tensor: torch.Tensor) -> str:
     return name
 
 
+def measured(name: str, kernel: str, tensor: torch.Tensor, shape: tuple[int, ...], paths: dict) -> str:
+    """The backend a kernel call runs on: ``name`` (from :func:`backend`) unless it is ``"triton"`` under
+    ``auto``, where the measured choice for (``kernel``, ``tensor``'s device and dtype, ``shape``'s bucket)
+    decides (:meth:`hf_kvreuse.dispatch.Dispatcher.choose`; ``paths`` maps each backend to a call on scratch
+    arguments)."""
+    if name != "triton" or mode() != "auto":
+        return name
+    return dispatcher().choose(kernel, tensor.device, tensor.dtype, tuple(shape), paths)
+
+
+def describe(device: torch.device | str) -> str:
+    """What ``stats.kernels`` reports for a call on ``device``: ``"torch"`` or ``"triton"`` when forced or when
+    nothing is measured there, else ``"auto(kernel=backend, ...)"``: the backend each kernel last ran on."""
+    name = backend_name(device)
+    if name == "triton" and mode() == "auto":
+        return dispatcher().describe(torch.device(device))
+    return name
+
+
+def _scratch(fn, *args):
+    """Run ``fn(out, *args)`` on a fresh output like ``args[0]`` and return the output."""
+    out = torch.empty_like(args[0])
+    fn(out, *args)
+    return out
+
+
 def rope_rebase(dst: torch.Tensor, src: torch.Tensor, delta: int | torch.Tensor, shifter) -> None:
     """``dst[:] = src`` with each token's key re-rotated by its position delta (int, ``[T]`` or ``[B, T]``),
     through the backend :func:`backend` picks for ``src``; see :mod:`hf_kvreuse.triton.rope_rebase`."""
     from .triton.rope_rebase import rope_rebase_torch, rope_rebase_triton
 
-    if backend(src) == "triton":
+    paths = dict(torch=lambda: _scratch(rope_rebase_torch, src, delta, shifter),
+                 triton=lambda: _scratch(rope_rebase_triton, src, delta, shifter))
+    if measured(backend(src), "rope_rebase", src, src.shape, paths) == "triton":
         rope_rebase_triton(dst, src, delta, shifter)
     else:
         rope_rebase_torch(dst, src, delta, shifter)
@@ -116,7 +151,8 @@ def gather_kv_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> tupl
     ``k`` (Triton: K and V in one launch); see :mod:`hf_kvreuse.triton.gather_scatter`."""
     from .triton import gather_scatter as gs
 
-    if _backend_all(k, v) == "triton":
+    paths = dict(torch=lambda: gs.gather_kv_rows_torch(k, v, rows), triton=lambda: gs.gather_kv_rows_triton(k, v, rows))
+    if measured(_backend_all(k, v), "gather_kv_rows", k, (*k.shape, rows.numel()), paths) == "triton":
         return gs.gather_kv_rows_triton(k, v, rows)
     return gs.gather_kv_rows_torch(k, v, rows)
 
@@ -129,10 +165,26 @@ def scatter_kv_rows(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, sk: 
     :mod:`hf_kvreuse.triton.gather_scatter`."""
     from .triton import gather_scatter as gs
 
-    if _backend_all(dk, dv, sk, sv) == "triton":
+    def scratch(fn, **kw):
+        a, b = dk.clone(), dv.clone()
+        fn(a, b, rows, sk, sv, **kw)
+        return a, b
+
+    paths = dict(torch=lambda: scratch(gs.scatter_kv_rows_torch),
+                 triton=lambda: scratch(gs.scatter_kv_rows_triton, check=check))
+    if measured(_backend_all(dk, dv, sk, sv), "scatter_kv_rows", dk, (*dk.shape, rows.numel()), paths) == "triton":
         gs.scatter_kv_rows_triton(dk, dv, rows, sk, sv, check=check)
     else:
         gs.scatter_kv_rows_torch(dk, dv, rows, sk, sv)
+
+
+def _deviation_backend(new: torch.Tensor, old: torch.Tensor, upcast: bool, norm: bool) -> str:
+    from .triton import deviation as dv
+
+    paths = dict(torch=lambda: dv.token_deviation_torch(new, old, upcast=upcast, norm=norm),
+                 triton=lambda: dv.token_deviation_triton(new, old, upcast=upcast, norm=norm))
+    kernel = "token_deviation" + ("_upcast" if upcast else "") + ("_norm" if norm else "")
+    return measured(_backend_all(new, old), kernel, new, new.shape, paths)
 
 
 def token_deviation(new: torch.Tensor, old: torch.Tensor, upcast: bool = False,
@@ -141,7 +193,7 @@ def token_deviation(new: torch.Tensor, old: torch.Tensor, upcast: bool = False,
     the backend :func:`backend` picks for ``new``; see :mod:`hf_kvreuse.triton.deviation`."""
     from .triton import deviation as dv
 
-    if _backend_all(new, old) == "triton":
+    if _deviation_backend(new, old, upcast, norm) == "triton":
         return dv.token_deviation_triton(new, old, upcast=upcast, norm=norm)
     return dv.token_deviation_torch(new, old, upcast=upcast, norm=norm)
 
@@ -152,27 +204,31 @@ def deviation_topk(new: torch.Tensor, old: torch.Tensor, candidates: torch.Tenso
     :func:`hf_kvreuse.triton.deviation.deviation_topk`."""
     from .triton import deviation as dv
 
-    return dv.deviation_topk(new, old, candidates, k, use_triton=_backend_all(new, old) == "triton")
-
-
-LOWRANK_DECODE_TORCH_MAX_QUERIES = 4
+    return dv.deviation_topk(new, old, candidates, k, use_triton=_deviation_backend(new, old, False, False) == "triton")
 
 
 def lowrank_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, L: torch.Tensor,
                       Bw: torch.Tensor, s: torch.Tensor, attention_mask: torch.Tensor | None,
                       scaling: float) -> torch.Tensor:
     """PReCache's low-rank value attention ``P·V_base + s·(P·L)·B`` (``[B, q, H, D]``), through the backend
-    :func:`backend` picks for ``value``, except that under ``auto`` up to :data:`LOWRANK_DECODE_TORCH_MAX_QUERIES`
-    query rows (decode) run on torch, measured faster there; see :mod:`hf_kvreuse.triton.lowrank_attention`."""
+    :func:`backend` picks for ``value``; see :mod:`hf_kvreuse.triton.lowrank_attention`."""
     from .triton.lowrank_attention import lowrank_attention_torch, lowrank_attention_triton
 
-    # under auto, decode-sized queries stay on torch: there the split-key kernel ran at 0.76-0.80x the torch path on
-    # an H200 (4 queries over 4k-32k tokens, bf16), while prefill ran 3.5-4.1x faster
-    # (benchmarks/results/gpu/gpu_check.json)
-    decode = query.shape[2] <= LOWRANK_DECODE_TORCH_MAX_QUERIES and mode() == "auto"
-    if backend(value) == "triton" and not decode:
+    # under auto the choice is measured per shape bucket (decode-sized queries ran at 0.76-0.80x the torch path on
+    # an H200, prefill 3.5-4.1x faster: benchmarks/results/gpu/gpu_check.json)
+    args = (query, key, value, L, Bw, s, attention_mask, scaling)
+    paths = dict(torch=lambda: lowrank_attention_torch(*args), triton=lambda: lowrank_attention_triton(*args))
+    shape = (*query.shape, key.shape[2], L.shape[-1], attention_mask is not None)
+    if measured(backend(value), "lowrank_attention", value, shape, paths) == "triton":
         return lowrank_attention_triton(query, key, value, L, Bw, s, attention_mask, scaling)
     return lowrank_attention_torch(query, key, value, L, Bw, s, attention_mask, scaling)
+
+
+#: tile variants of the selected-row attention kernel that measured ``auto`` tries beside its default tiles
+#: (:func:`hf_kvreuse.triton.sizing.attention_tiles`): 16-row tiles (the decode tiling) and 32-column key tiles (the
+#: low-rank kernel's), both no larger than the defaults the compile check found to compile without a spill on sm_80
+#: and sm_90 (shared memory is fitted to the target by the same rule); ``None`` keeps the default of that side
+SELECTED_TILE_VARIANTS = {"bm16": (16, None), "bn32": (None, 32)}
 
 
 def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions, scaling: float,
@@ -185,9 +241,26 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     from .triton.selected_attention import selected_attention_blocked, selected_attention_triton
 
     q_pos, k_pos, k_valid = positions.on(q.device)
-    if backend(q) == "triton":
-        return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out,
-                                         block_m=positions.block_m, block_n=positions.block_n,
-                                         ends=functools.partial(positions.ends, q.device))
-    return selected_attention_blocked(q, k, v, q_pos, k_pos, scaling, k_valid, plan=positions.plan(q.device),
-                                      out=out)
+
+    def run_triton(out=None):
+        return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out, block_m=positions.block_m,
+                                         block_n=positions.block_n, ends=functools.partial(positions.ends, q.device))
+
+    def run_triton_tiles(block_m, block_n, out=None):
+        return selected_attention_triton(q, k, v, q_pos, k_pos, scaling, k_valid, out=out, block_m=block_m,
+                                         block_n=block_n, ends=functools.partial(positions.ends, q.device))
+
+    def run_torch(out=None):
+        return selected_attention_blocked(q, k, v, q_pos, k_pos, scaling, k_valid, plan=positions.plan(q.device),
+                                          out=out)
+
+    paths = dict(torch=run_torch, triton=run_triton)
+    if positions.block_m is None and positions.block_n is None:  # tile variants, measured like the backends
+        for name, (bm, bn) in SELECTED_TILE_VARIANTS.items():
+            paths[f"triton:{name}"] = functools.partial(run_triton_tiles, bm, bn)
+    choice = measured(backend(q), "selected_attention", q, (*q.shape, k.shape[1], k.shape[2]), paths)
+    if choice == "triton":
+        return run_triton(out)
+    if choice.startswith("triton:"):
+        return run_triton_tiles(*SELECTED_TILE_VARIANTS[choice.split(":", 1)[1]], out=out)
+    return run_torch(out)

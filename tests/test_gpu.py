@@ -161,7 +161,9 @@ def test_every_cache_on_cuda_bf16(method, zoo_fp32):
             runs[mode] = z.run(method)
         finally:
             os.environ.pop("HF_KVREUSE_KERNELS", None)
-    assert runs["auto"]["kernels"] == ("triton" if ON_CUDA else "torch") and runs["torch"]["kernels"] == "torch"
+    # under auto on CUDA the choices are measured: "auto(kernel=backend, ...)"
+    assert (runs["auto"]["kernels"].startswith("auto") if ON_CUDA else runs["auto"]["kernels"] == "torch")
+    assert runs["torch"]["kernels"] == "torch"
     n = runs["torch"]["tokens"].shape[1] - runs["torch"]["logits"].shape[0]
     assert torch.equal(runs["auto"]["tokens"][:, :n], runs["torch"]["tokens"][:, :n])
     ref = runs["ref"]["logits"][0]

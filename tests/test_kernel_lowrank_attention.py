@@ -183,27 +183,6 @@ def test_dispatch(monkeypatch):
     assert calls
 
 
-def test_auto_keeps_decode_on_torch(monkeypatch):
-    """Under ``auto`` where Triton would run (CUDA), up to ``LOWRANK_DECODE_TORCH_MAX_QUERIES`` query rows go to the
-    torch path (measured faster there on an H200) and more rows to the kernel; an explicit ``triton`` always runs
-    the kernel.
-
-    Planted bug that fails it: the decode test compares the key length instead of the query length (every call
-    with few keys, not few queries, goes to torch)."""
-    calls = []
-    orig = la.lowrank_attention_triton
-    monkeypatch.setattr(la, "lowrank_attention_triton", lambda *a, **k: (calls.append(a[0].shape[2]), orig(*a, **k))[1])
-    monkeypatch.setattr(kernels, "backend", lambda t: "triton")  # as for a CUDA tensor under auto
-    monkeypatch.setenv("HF_KVREUSE_KERNELS", "auto")
-    n = kernels.LOWRANK_DECODE_TORCH_MAX_QUERIES
-    for q in (1, n, n + 1, 3):
-        kernels.lowrank_attention(*_inputs(1, 4, 2, q, 8, 64, 8, torch.float32, seed=q), None, 0.125)
-    assert calls == [n + 1]
-    monkeypatch.setenv("HF_KVREUSE_KERNELS", "triton")
-    kernels.lowrank_attention(*_inputs(1, 4, 2, 1, 30, 64, 8, torch.float32), None, 0.125)
-    assert calls == [n + 1, 1]
-
-
 # -- end to end: BaseLRCache on the Triton backend ---------------------------------------------------------------
 def _trace_scores(pm, cache, turns):
     """Like ``test_base_lr.run_trace``, also returning every generated step's logits."""

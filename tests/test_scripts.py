@@ -59,7 +59,7 @@ def test_base_lr_benchmark_smoke(tmp_path):
 
 
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["env", "gpu_kernels", "pytest_gpu", "kernels", "optimistic", "optimistic_chunked"]
+STEPS = ["env", "real_scale", "gpu_kernels", "pytest_gpu", "kernels", "optimistic", "optimistic_chunked"]
 
 
 def test_gpu_check_budget_is_eight_minutes():
@@ -109,7 +109,7 @@ def test_gpu_check_cuts_steps_at_the_deadline(tmp_path):
     assert res["ran"] == ["env"] and res["steps"]["env"]["outcome"] == "cut" and res["steps"]["env"]["limit_s"] <= 6
     assert [c["step"] for c in res["cut"]] == STEPS
     assert "limit" in res["cut"][0]["why"] and all("not started" in c["why"] for c in res["cut"][1:])
-    assert res["complete"] == {"kernels": None, "optimistic": None, "optimistic_chunked": None}
+    assert res["complete"] == {"real_scale": None, "kernels": None, "optimistic": None, "optimistic_chunked": None}
 
 
 def _killed_keeps_rows(cmd: list[str], out: Path, enough, timeout: float) -> dict:
@@ -523,3 +523,49 @@ def test_latent_remedy_paired_matches_cases_by_family_record_direction(tmp_path)
     out = latent_remedy.paired(str(path), ["A:B"]).splitlines()
     assert out[2].startswith("| code | A - B | +10 [") and out[3].startswith("| all | A - B | +10 [")
     assert out[3] == "| all | A - B | +10 [-10, +31] | 10 |"   # by case; paired by row order: [-31, +48]
+
+
+REAL_SCALE = ROOT / "benchmarks" / "real_scale_gpu.py"
+
+
+@pytest.mark.slow
+def test_real_scale_dry_run(tmp_path):
+    """benchmarks/real_scale_gpu.py --tiny on CPU runs every part of the prepared GPU step (every method of the
+    3-agent workflow on both models, TranslatedCache, BaseLRCache) without an error; the exact methods give full
+    prefill's tokens and their first verified token; the approximate ones claim none.
+
+    Planted bug that fails it: FocusRecomputeCache built without its tokenizer
+    (``FocusRecomputeCache(model, ids[2], [span], store=store)``: a TypeError recorded in ``errors``)."""
+    out = tmp_path / "rs.json"
+    proc = subprocess.run([sys.executable, str(REAL_SCALE), "--tiny", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == [] and doc["skipped"] == [] and doc["complete"] is True
+    got = {(r["model"], r["method"]) for r in doc["rows"]}
+    want = {(m, meth) for m in ("llama3-8b", "qwen2.5-1.5b") for meth in
+            ("full", "prefix", "optimistic-commit", "optimistic-verify", "blend-0.15", "tail-16", "focus")}
+    want |= {("qwen2.5-1.5b", "translated-0.3"), ("llama3-8b", "base_lr-prelrshared"),
+             ("llama3-8b", "base_lr-nonshared")}
+    assert got == want, got ^ want
+    for r in doc["rows"]:
+        assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and "peak_mib" in r
+        if r["method"] in ("prefix", "optimistic-verify"):
+            assert r["identical"] is True and r["exact"] is True and r["first_verified_s"] is not None
+        if r["method"] in ("blend-0.15", "tail-16", "focus", "optimistic-commit", "translated-0.3"):
+            assert r["exact"] is False and r["first_verified_s"] is None
+
+
+@pytest.mark.slow
+def test_real_scale_budget_keeps_a_valid_json(tmp_path):
+    """With no time left, benchmarks/real_scale_gpu.py starts nothing, names every skipped part and marks the
+    JSON incomplete (what a lease cut short leaves).
+
+    Planted bug that fails it: ``complete`` set to True unconditionally at the end."""
+    out = tmp_path / "rs.json"
+    proc = subprocess.run([sys.executable, str(REAL_SCALE), "--tiny", "--device", "cpu", "--budget-s", "0",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and doc["complete"] is False
+    assert {s["part"] for s in doc["skipped"]} == {"session", "translated", "base_lr"}

@@ -92,10 +92,20 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
     def note_kernels(self, input_ids: torch.Tensor) -> None:
         """Record in ``stats.kernels`` which backend (torch or triton, see :mod:`hf_kvreuse.kernels`) this call's
         hot paths run on; a forced backend that cannot run raises here, before any work."""
-        from ..kernels import backend_name
+        from ..kernels import describe
 
+        self._kernels_device = input_ids.device
         if hasattr(self.stats, "kernels"):
-            self.stats.kernels = backend_name(input_ids.device)
+            self.stats.kernels = describe(input_ids.device)
+
+    def refresh_kernels(self) -> None:
+        """After a call: under measured ``auto``, ``stats.kernels`` names the backend each kernel ran on
+        (``"auto(rope_rebase=triton, ...)"``, see :func:`hf_kvreuse.kernels.describe`)."""
+        from ..kernels import describe
+
+        device = getattr(self, "_kernels_device", None)
+        if device is not None and hasattr(self.stats, "kernels") and self.stats.kernels.startswith("auto"):
+            self.stats.kernels = describe(device)
 
     def _check_pad_tokens(self, model, input_ids, generate_kwargs: dict) -> None:
         """Without a mask, generate treats pad tokens in the prompt as padding (unless the pad id is also an eos
@@ -146,6 +156,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
     def end_generate(self, sequences: torch.Tensor | None, error: BaseException | None) -> None:
         """Called by the mixin after :meth:`finish`: record which tokens the cache now holds."""
         self._pending = None  # a generate that ended before its first forward: do not keep the storage alive
+        self.refresh_kernels()
         if error is not None or sequences is None:
             self.phase = "failed" if self.phase == "active" else self.phase
             return

@@ -234,6 +234,7 @@ class BaseLRCache(KVReuseCache):
         self.phase = "active"
 
     def end_generate(self, sequences, error) -> None:
+        self.refresh_kernels()
         self.phase = "done"  # finish() recorded the tokens (or restored the cache after a failed turn)
 
     def crop(self, max_length: int) -> None:

@@ -502,13 +502,30 @@ class KVMapper:
         xk = gather(lm.blocks("k"), feats, hidden)
         xv = xk if lm.blocks("v") == lm.blocks("k") else gather(lm.blocks("v"), feats, hidden)
         dev = xk.device
-        k, v = torch.addmm(lm.b_k.to(dev), xk, lm.w_k.to(dev)), torch.addmm(lm.b_v.to(dev), xv, lm.w_v.to(dev))
+        w = {n: self.on_device(t, n, getattr(lm, n), dev) for n in ("w_k", "b_k", "w_v", "b_v")}
+        k, v = torch.addmm(w["b_k"], xk, w["w_k"]), torch.addmm(w["b_v"], xv, w["w_v"])
         if lm.residual is not None:  # hf_kvreuse.translation.residual
             xu = xk if lm.union_blocks() == lm.blocks("k") else gather(lm.union_blocks(), feats, hidden)
-            d = apply_residual(lm.residual, xu)
+            d = apply_residual({n: self.on_device(t, f"residual.{n}", r, dev) for n, r in lm.residual.items()}, xu)
             ft = k.shape[-1]
             k, v = k + d[:, :ft], v + d[:, ft:]
         return k, v
+
+    def on_device(self, t: int, name: str, w: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``w`` (target layer ``t``'s weight ``name``) on ``device``: copied once per device and kept, not on every
+        call (a mapper kept on the CPU for a GPU target otherwise moves every weight per prompt). The copy is
+        reused only while it is the same tensor unmodified (``_version``); weights that require grad (the output
+        fit trains through :meth:`translate_features`) are never cached."""
+        if w.device == torch.device(device) or w.requires_grad:
+            return w.to(device)
+        copies = self.__dict__.setdefault("_device_copies", {})
+        key = (t, name, str(device))
+        hit = copies.get(key)
+        if hit is not None and hit[0] is w and hit[1] == w._version:
+            return hit[2]
+        copy = w.to(device)
+        copies[key] = (w, w._version, copy)
+        return copy
 
     def to_cache_layout(self, flat: torch.Tensor) -> torch.Tensor:
         """``[T, H*D]`` -> ``[1, H, T, D]``."""
