@@ -448,15 +448,15 @@ def test_fingerprint_sees_every_element_and_reads_each_version_once(monkeypatch)
     """An in-place change of one element anywhere changes the fingerprint (a fine-tune of a few rows makes held
     caches stale); unchanged parameters are not read again (no device work per call).
 
-    Planted bugs that fail it: ``tensor_checksum`` over a strided sample of 8 values (the changed element is not
+    Planted bugs that fail it: ``tensor_digest`` over a strided sample of 8 values (the changed element is not
     sampled); ``_param_digest`` ignores the version (every call re-reads every parameter)."""
     from hf_kvreuse import fingerprint
 
     m = tiny_model("llama", seed=4)
     before = model_fingerprint(m)
     calls = []
-    real = fingerprint.tensor_checksum
-    monkeypatch.setattr(fingerprint, "tensor_checksum", lambda t: calls.append(t.shape) or real(t))
+    real = fingerprint.tensor_digest
+    monkeypatch.setattr(fingerprint, "tensor_digest", lambda t: calls.append(t.shape) or real(t))
     assert model_fingerprint(m) == before and not calls
     w = m.model.layers[1].mlp.down_proj.weight
     with torch.no_grad():
