@@ -2,7 +2,8 @@
 ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool()`` / ``int()`` / ``float()`` / ``__index__`` of a tensor,
 ``torch.equal``) is seen by a torch function mode. (``.to("cpu")`` is not counted: on a CPU run it cannot be told
 from the moves to the model's device.) The stated bound: once the cache is swapped, a decode step costs no more
-syncs than plain ``generate``'s (its stopping check: one per token)."""
+syncs than plain ``generate``'s (its stopping checks: one per token on transformers 5.17, up to three on
+older releases)."""
 
 import collections
 import sys
@@ -83,7 +84,8 @@ def test_decode_syncs_per_token(monkeypatch, zoo, plain_rate, method):
 
     if method == "latent" and not HAS_QUERY_OFFSET:
         pytest.skip("latent tokens need transformers>=5.17")
-    assert plain_rate <= 1.0  # generate's own stopping check
+    # generate's own stopping checks: one per token on transformers 5.17, two or three on 4.57 / 5.0
+    assert plain_rate <= 3.0
 
     def run():
         r = zoo.run(method)
