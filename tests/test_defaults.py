@@ -130,3 +130,30 @@ def test_one_exactness_vocabulary(llama, monkeypatch):
     session.generate(b, **GEN)
     st = session.last_stats
     assert st.method == "optimistic" and not st.exact_output and "commit" in st.reason
+
+
+@pytest.mark.slow  # SmolLM2 through the pipeline
+def test_pipeline_keys_follow_one_rule(smollm2):
+    """``question=`` -> ``"answer"`` and ``questions=`` -> ``"answers"``, with agents too (per agent inside); the
+    context mode refuses ``batch_size > 1`` (given to the call or to ``pipeline(...)``) instead of running one by
+    one silently; a chat gets the stock ``[{"generated_text": ...}]`` with its stats under ``"stats"``.
+
+    Planted bug that fails it: ``ask`` returns ``"answers"`` for ``question=`` with agents (the old key)."""
+    from transformers import pipeline
+
+    model, tok = smollm2
+    pipe = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)
+    gen = dict(max_new_tokens=2, do_sample=False)
+    out = pipe("The Nile flows north.", question="Where?", agents={"a": "You are terse.", "b": "You are kind."},
+               **gen)
+    assert set(out) == {"answer", "stats"} and set(out["answer"]) == {"a", "b"}
+    assert all(s.exact_output for s in out["stats"].values())
+    out = pipe("The Nile flows north.", questions=["Where?"], agents=["You are terse."], **gen)
+    assert set(out) == {"answers", "stats"} and len(out["answers"][0]) == 1
+    with pytest.raises(ValueError, match="batch_size=2"):
+        pipe("The Nile flows north.", question="Where?", batch_size=2, **gen)
+    batched = pipeline("kvreuse-text-generation", model=model, tokenizer=tok, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        batched("The Nile flows north.", question="Where?", **gen)
+    (rec,) = pipe([{"role": "user", "content": "Hi"}], method="auto", **gen)
+    assert set(rec) == {"generated_text", "stats"} and rec["stats"].exact_output
