@@ -157,3 +157,24 @@ def test_pipeline_keys_follow_one_rule(smollm2):
         batched("The Nile flows north.", question="Where?", **gen)
     (rec,) = pipe([{"role": "user", "content": "Hi"}], method="auto", **gen)
     assert set(rec) == {"generated_text", "stats"} and rec["stats"].exact_output
+
+
+def test_cli_help_defines_every_column_and_prints_defaults_as_values(capsys):
+    """``hf-kvreuse bench --help`` defines every column the summary table prints, and no default is printed as
+    ``None`` or as a Python list.
+
+    Planted bug that fails it: a column (``draftx``) is printed by ``print_summary`` but missing from ``COLUMNS``."""
+    from hf_kvreuse.cli import COLUMNS, build_parser, print_summary
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # the help wraps lines
+    assert "default: None" not in text and "['" not in text and "default: fully_connected" in text
+    row = dict(workflow="w", context_tokens=1, method="auto", n=1, accuracy=1.0, agreement=1.0, ttft_s=0.1,
+               ttft_ratio=1.0, e2e_ratio=1.0, exact_output_share=1.0, draft_ttft_ratio=0.5)
+    print_summary([row])
+    header = capsys.readouterr().out.splitlines()[0]
+    for name in COLUMNS:
+        assert name in text, name
+        header = header.replace(name, "")
+    assert not header.strip(), f"undefined columns: {header.split()}"
