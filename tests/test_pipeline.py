@@ -85,7 +85,7 @@ def test_sessions_exist_from_the_start_and_stats_per_input(smollm2, tmp_path):
     ids_a = tok.apply_chat_template(chat(QS[0], ROLES["critic"]), add_generation_prompt=True, return_tensors="pt")
     out_a = model.generate(**ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     rec = pipe(chat(QS[0], ROLES["writer"]), cache_factory=lambda m, ids: OptimisticCache(
-        m, input_ids=ids, donor_cache=output_cache(out_a), donor_ids=out_a.sequences), **GEN)[0]
+        m, input_ids=ids, donor_cache=output_cache(out_a), donor_ids=out_a.sequences, rebase="commit"), **GEN)[0]
     assert rec["stats"].reused_tokens > 30
 
 
