@@ -498,14 +498,14 @@ def test_full_repair_is_plain_generate(llama, held, repair):
 
 
 def test_session_default_keeps_the_answers(llama):
-    """``ReuseSession`` decodes optimistically by default and its answers equal plain generate's (greedy), agent
+    """``ReuseSession(policy="optimistic")`` verifies its drafts by default and its answers equal plain generate's (greedy), agent
     after agent; ``rebase="commit"`` is one keyword away.
 
     Planted bug that fails it: the session's default ``rebase`` is "commit" (answers differ on this random
     model)."""
     doc = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
     roles = [torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(10 + i)) for i in range(3)]
-    s = ReuseSession(llama)
+    s = ReuseSession(llama, policy="optimistic")  # verified drafts by name ("auto" drafts only where they pay)
     fast = ReuseSession(llama, rebase="commit")
     differs = False
     for r in roles:
