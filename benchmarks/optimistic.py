@@ -69,7 +69,7 @@ def run_full(model, ids, gen):
 
 def run_optimistic(model, ids, donor, gen, max_optimistic_tokens, release_donor=False):
     cache = OptimisticCache(model, input_ids=ids, donor_cache=output_cache(donor), donor_ids=donor.sequences,
-                            max_optimistic_tokens=max_optimistic_tokens, release_donor=release_donor)
+                            max_optimistic_tokens=max_optimistic_tokens, release_donor=release_donor, rebase="commit")
     with _memory(ids.device) as mem:
         timer = TokenTimer().start()
         out = model.generate(ids, cache=cache, streamer=timer, **gen)

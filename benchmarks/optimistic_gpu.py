@@ -88,12 +88,15 @@ def check_exactness(device) -> dict:
     gen = dict(max_new_tokens=24, do_sample=False)
     ref = model.generate(ids_b, **gen)
     res = {}
-    c = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=0)
+    c = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=0,
+                        rebase="commit")
     res["zero_optimistic_equals_generate"] = bool(torch.equal(model.generate(ids_b, cache=c, **gen), ref))
-    c = OptimisticCache(model, input_ids=ids_a, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=None)
+    c = OptimisticCache(model, input_ids=ids_a, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=None,
+                        rebase="commit")
     res["self_donor_equals_generate"] = bool(torch.equal(model.generate(ids_a, cache=c, **gen),
                                                          model.generate(ids_a, **gen)))
-    c = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=8)
+    c = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=8,
+                        rebase="commit")
     out = model.generate(ids_b, cache=c, **gen)
     s = c.stats.swap_step
     cont = model.generate(out[:, : ids_b.shape[1] + s], max_new_tokens=24 - s, do_sample=False)
@@ -164,7 +167,7 @@ def main():
                         cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids,
                                                 max_optimistic_tokens=args.max_optimistic_tokens,
                                                 background_start=args.background_start,
-                                                background_chunk_tokens=args.background_chunk_tokens)
+                                                background_chunk_tokens=args.background_chunk_tokens, rebase="commit")
                     with PeakMemory(device) as m:
                         timer = TokenTimer(device).start()
                         if method == "full":

@@ -139,9 +139,9 @@ def run(args, checkpoint=None) -> dict:
                                     max_new_tokens=args.max_new_tokens)
                 turns = [{k: v for k, v in t.__dict__.items() if k != "prompt_ids"} for t in run_.turns]
                 for d in turns:
-                    # first token decoded (a draft under rebase="verify") vs first token the caller receives
-                    cs = d["stats"].get("cache_stats") or {}
-                    d["draft_ttft_s"] = cs.get("ttft_s") if cs.get("rebase") == "verify" else d["stats"]["ttft_s"]
+                    # the first draft's logits (verified drafts: the caller never receives it), beside ttft_s, the
+                    # first token the caller receives
+                    d["draft_ttft_s"] = d["stats"].get("draft_ttft_s")
                 if args.floor and method.startswith("auto"):
                     for t, d in zip(run_.turns, turns):
                         s = d["stats"]
@@ -165,8 +165,9 @@ def run(args, checkpoint=None) -> dict:
                 r["judge_agrees"] = r["judge_choice"] == ref["judge_choice"] if shape == "judge" else None
                 r["e2e_ratio"] = r["e2e_s"] / ref["e2e_s"]
                 for t, tf in zip(r["turns"], ref["turns"]):
-                    t["ttft_ratio"] = t["draft_ttft_s"] / tf["stats"]["ttft_s"]
-                    t["first_verified_ratio"] = t["stats"]["ttft_s"] / tf["stats"]["ttft_s"]
+                    t["ttft_ratio"] = t["stats"]["ttft_s"] / tf["stats"]["ttft_s"]
+                    if t["draft_ttft_s"] is not None:
+                        t["draft_ttft_ratio"] = t["draft_ttft_s"] / tf["stats"]["ttft_s"]
             if checkpoint is not None:  # bench.json rewritten: a stopped run keeps every finished question
                 checkpoint(dict(config=vars(args), complete=False, summary=summarize(records, methods),
                                 records=records))
@@ -225,6 +226,14 @@ def load_reference(args) -> dict:
     return out
 
 
+def _ratios(turn: dict) -> tuple[float, float | None]:
+    """(first token received, first draft) over full prefill's first token; records written before the draft had its
+    own name kept the draft's ratio in ``ttft_ratio`` and the received one in ``first_verified_ratio``."""
+    if "first_verified_ratio" in turn:
+        return turn["first_verified_ratio"], turn["ttft_ratio"]
+    return turn["ttft_ratio"], turn.get("draft_ttft_ratio")
+
+
 def summarize(records: list[dict], methods: list[str]) -> list[dict]:
     med = statistics.median
     rows = []
@@ -241,8 +250,8 @@ def summarize(records: list[dict], methods: list[str]) -> list[dict]:
                        accuracy=k_acc / n, accuracy_ci=wilson(k_acc, n),
                        agreement=k_agree / n, agreement_ci=wilson(k_agree, n),
                        ttft_s=med(t["stats"]["ttft_s"] for t in turns),
-                       ttft_ratio=med(t["ttft_ratio"] for t in turns),
-                       first_verified_ratio=med(t.get("first_verified_ratio", t["ttft_ratio"]) for t in turns),
+                       ttft_ratio=med(_ratios(t)[0] for t in turns),
+                       exact_output_share=sum(bool(t["stats"].get("exact_output", True)) for t in turns) / len(turns),
                        e2e_s=med(r["e2e_s"] for r in rs), e2e_ratio=med(r["e2e_ratio"] for r in rs),
                        exact_prefix_frac=sum(t["stats"]["exact_prefix_tokens"] for t in turns)
                        / sum(t["stats"]["prompt_tokens"] for t in turns),
@@ -262,6 +271,9 @@ def summarize(records: list[dict], methods: list[str]) -> list[dict]:
             if shape == "judge":
                 k = sum(bool(r["judge_agrees"]) for r in rs)
                 row.update(judge_consistency=k / n, judge_consistency_ci=wilson(k, n))
+            drafted = [_ratios(t)[1] for t in turns if _ratios(t)[1] is not None]
+            if drafted:
+                row["draft_ttft_ratio"] = med(drafted)
             floors = [t["ttft_over_floor"] for t in turns if "ttft_over_floor" in t]
             if floors:
                 row["ttft_over_floor"] = med(floors)
@@ -347,16 +359,49 @@ def plot(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+#: the summary table's columns (``hf-kvreuse bench --help`` and docs/defaults.md print this text)
+COLUMNS = {
+    "workflow": "workflow shape",
+    "ctx": "document size in tokens (--context-tokens)",
+    "method": "session policy or named mode (--methods)",
+    "n": "questions",
+    "acc": "share of final answers that contain a gold answer",
+    "agree": "share of final answers equal to full prefill's (normalised text)",
+    "exact": "share of calls whose answer is guaranteed equal to plain generate's (stats.exact_output)",
+    "TTFT s": "median time to the first token the caller receives, per agent call",
+    "TTFTx": "median per-call ratio of that first token to full prefill's on the same call (< 1: earlier)",
+    "draftx": "median per-call ratio of the first draft's logits (never received under verified drafts) to full "
+              "prefill's first token; '-' without drafts",
+    "e2e x": "median ratio of the workflow's summed generate time to full prefill's",
+    "kept": "share of drafts kept by verification; '-' without verified drafts",
+    "/floor": "with --floor: median first token over the floor (prefill of the call's new tokens on an exact cache)",
+}
+
+
 def print_summary(rows: list[dict]) -> None:
-    head = f"{'workflow':16} {'ctx':>5} {'method':18} {'n':>3} {'acc':>5} {'agree':>6} {'TTFT s':>7} " \
-           f"{'TTFTx':>6} {'1stOKx':>6} {'e2e x':>6} {'kept':>5} {'/floor':>6}"
+    head = f"{'workflow':16} {'ctx':>5} {'method':18} {'n':>3} {'acc':>5} {'agree':>6} {'exact':>5} {'TTFT s':>7} " \
+           f"{'TTFTx':>6} {'draftx':>6} {'e2e x':>6} {'kept':>5} {'/floor':>6}"
     print(head)
     for r in rows:
         fl = f"{r['ttft_over_floor']:.2f}" if "ttft_over_floor" in r else "-"
         kept = f"{r['accepted_share']:.2f}" if "accepted_share" in r else "-"
+        draft = f"{r['draft_ttft_ratio']:.2f}" if r.get("draft_ttft_ratio") is not None else "-"
+        exact = f"{r['exact_output_share']:.2f}" if "exact_output_share" in r else "-"
         print(f"{r['workflow']:16} {r['context_tokens']:>5} {r['method']:18} {r['n']:>3} {r['accuracy']:>5.2f} "
-              f"{r['agreement']:>6.2f} {r['ttft_s']:>7.3f} {r['ttft_ratio']:>6.2f} "
-              f"{r.get('first_verified_ratio', r['ttft_ratio']):>6.2f} {r['e2e_ratio']:>6.2f} {kept:>5} {fl:>6}")
+              f"{r['agreement']:>6.2f} {exact:>5} {r['ttft_s']:>7.3f} {r['ttft_ratio']:>6.2f} "
+              f"{draft:>6} {r['e2e_ratio']:>6.2f} {kept:>5} {fl:>6}")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults printed as the values they are (a list as its comma-separated items); an option whose default
+    depends on others (None) says so in its own text."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool) \
+                or not action.option_strings:
+            return action.help
+        value = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
+        return f"{action.help} (default: {value})".replace("%", "%%")
 
 
 MERGE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "max_bytes")
@@ -424,6 +469,13 @@ def _model_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r} is neither one of {', '.join(MODELS)} nor a folder")
 
 
+class _ColumnsFormatter(_HelpFormatter):
+    """Keeps the epilog's one-line-per-column layout."""
+
+    def _fill_text(self, text, width, indent):
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-kvreuse`` argument parser (every option has its help text: ``hf-kvreuse bench --help``)."""
     from .session import MODES
@@ -432,9 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     runnable = [p for p in MODES if p not in ("translated", "base_lr")]
     p = argparse.ArgumentParser(prog="hf-kvreuse", description="hf_kvreuse command line: benchmark ReuseSession "
                                 "policies on multi-agent workflows over SQuAD documents, and merge runs.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    columns = "\n".join(f"  {k:9} {v}" for k, v in COLUMNS.items())
+    b = sub.add_parser("bench", formatter_class=_ColumnsFormatter,
+                       epilog=f"summary columns (also in bench.csv / bench.json summary):\n{columns}",
                        help="workflows x methods x context sizes, side by side in one run",
                        description="Run every workflow shape x context size x question once per method, each "
                        "through a fresh ReuseSession, full prefill first (the reference). Writes OUT/bench.json "
@@ -464,11 +518,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="offset of the first question in the SQuAD file (shards)")
     b.add_argument("--out", default="bench_results", help="output folder (bench.json, bench.csv, plots)")
     b.add_argument("--questions", default=None, metavar="A:B",
-                   help="run only questions A..B-1 of the --n picked (complete a stopped run; join with merge)")
+                   help="run only questions A..B-1 of the --n picked (complete a stopped run; join with merge); "
+                   "default: all of them")
     b.add_argument("--reference", default=None,
                    help="bench.json of an earlier run of the same settings: its full-prefill records are reused "
-                        "instead of running full again (answers exact; its timings not side by side)")
-    mg = sub.add_parser("merge", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        "instead of running full again (answers exact; its timings not side by side); default: "
+                        "full prefill runs in this run")
+    mg = sub.add_parser("merge", formatter_class=_HelpFormatter,
                         help="join bench.json files of one configuration run over different questions",
                         description="Join bench.json files of one configuration run over different questions "
                         "(e.g. --seed shards run in parallel) into one summary.")

@@ -13,7 +13,13 @@ Every prompt is the chat template of ``[system: the agent's role text] + [user: 
 question]`` (``user_template`` changes the user message). The prompts run one by one through the pipeline's
 session for the method (``pipe.sessions[method]``), so the context's K/V computed for the first prompt serve every
 later one: as an exact prefix when the prompts start alike (no agents, or the same agent again), re-positioned
-from the held caches behind another agent's role text (``"auto"``: optimistic decoding, then the exact cache).
+from the held caches behind another agent's role text where the session's ``"auto"`` finds that verified drafts pay
+(it is exact either way: ``stats.exact_output``; ``stats.reason`` says what it chose and why).
+
+**One rule for the keys**: ``question=`` returns ``{"answer": ..., "stats": ...}`` and ``questions=`` returns
+``{"answers": [...], "stats": [...]}``, with or without agents; with ``agents=`` each answer (and its stats) is a
+dict by agent name (agents given as a mapping) or a list in agent order (a sequence of role texts). The context mode
+runs its prompts one by one through the session: ``batch_size > 1`` is refused there.
 
 **Chats**, as the stock ``text-generation`` pipeline takes them, with ``method=`` (one session per method and
 pipeline, which keeps the caches of every earlier input) or ``cache_factory=`` (called with the model and the
@@ -166,9 +172,10 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
         Returns
         -------
         dict
-            ``{"answer": str, "stats": SessionStats}`` for ``question=`` without agents; ``{"answers": [...],
-            "stats": [...]}`` (one per question) for ``questions=``. With agents, each answer and stats entry is
-            a dict keyed by agent name (agents given as a mapping) or a list in agent order (a sequence).
+            ``{"answer": ..., "stats": ...}`` for ``question=``; ``{"answers": [...], "stats": [...]}`` (one per
+            question) for ``questions=``. Without agents an answer is a string and its stats a
+            :class:`~hf_kvreuse.SessionStats`; with agents, each is a dict keyed by agent name (agents given as a
+            mapping) or a list in agent order (a sequence).
         """
         if not isinstance(context, str):
             raise TypeError(f"context must be a string (the shared document), got {type(context).__name__}; for "
@@ -178,6 +185,11 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
         if "cache_factory" in generate_kwargs:
             raise ValueError("the context mode shares K/V through the pipeline's session: use method=, not "
                              "cache_factory=")
+        batch = generate_kwargs.pop("batch_size", None) or getattr(self, "_batch_size", None) or 1
+        if batch > 1:
+            raise ValueError(f"batch_size={batch}: the context mode runs its prompts one by one through one session "
+                             "(each prompt reuses the K/V of the ones before it; a padded batch would change every "
+                             "position): call it with batch_size=1")
         qs = [question] if question is not None else list(questions)
         if not all(isinstance(q, str) for q in qs):
             raise TypeError("questions must be strings")
@@ -204,7 +216,7 @@ class KVReuseTextGenerationPipeline(TextGenerationPipeline):
             answers.append(per_a)
             stats.append(per_s)
         if question is not None:
-            return {"answer" if not roles else "answers": answers[0], "stats": stats[0]}
+            return {"answer": answers[0], "stats": stats[0]}
         return {"answers": answers, "stats": stats}
 
     # -- per input -------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ each new prompt,
 2. aligns the rest of the prompt against **all** held caches (:func:`hf_kvreuse.alignment.align_multi`):
    spans may come from several earlier calls, e.g. the agent's role text from its own last turn and the
    shared context from the previous agent;
-3. runs the policy's cache over them. ``"auto"``: the exact prefix, then RebaseKV-style optimistic decoding
-   over the donor spans (:class:`~hf_kvreuse.OptimisticCache`) whose background exact prefill starts after
-   the exact prefix, so the returned cache is exact and can serve as an exact prefix later.
+3. runs the policy's cache over them. ``"auto"`` (the default) is exact and picks, per call, between the exact
+   prefix plus a prefill of the rest and verified drafts (:class:`~hf_kvreuse.OptimisticCache` with
+   ``rebase="verify"`` over the donor spans, its exact prefill starting after the exact prefix), from what the
+   session measured on its own calls on this device and thread count (:class:`AutoChooser`); it steps down, never
+   raises, where the model or the call rules drafts out, and ``last_stats.reason`` says why.
 
 Policies: ``"full"`` (plain prefill), ``"prefix"`` (exact prefix only: the vLLM / SGLang baseline),
 ``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"``, ``"focus"``
@@ -36,11 +38,14 @@ import torch
 from transformers import DynamicCache
 
 from .alignment import Alignment, align_multi
+from .auto import AutoChooser
 from .compat import CACHE_KW, CACHE_NAMES
 from .devices import input_device, layer_devices, offloaded, place_kv
 from .generation.options import call_options
 from .inputs import prompt_ids
 from .kv import KV, kv_of, load_kv
+from .model_check import UnsupportedModelError
+from .rope import UnsupportedRopeError
 from .timing import TokenTimer, synchronize
 
 POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
@@ -141,9 +146,22 @@ class SessionStats:
     generated_tokens : int
         Tokens generated.
     ttft_s, total_s : float or None
-        Time to the first and to the last generated token.
+        Time to the first and to the last token the caller receives (drafts are not received).
+    draft_ttft_s : float or None
+        ``optimistic``: time to the first draft's logits (under ``rebase="verify"`` the caller never sees it).
+    exact_output : bool
+        The answer is guaranteed equal to plain ``generate``'s (greedy, or sampling with the same seed): ``full``,
+        ``prefix`` and verified drafts; never the approximate methods or ``rebase="commit"`` tokens.
+    drafted_tokens, accepted_tokens : int or None
+        ``optimistic`` with ``rebase="verify"``: drafts made, and of those kept after verification.
+    divergent_tokens : int or None
+        ``optimistic``: tokens of the optimistic cache that exact greedy decoding would not have chosen (under
+        ``"commit"`` they stay in the answer; under ``"verify"`` they were withdrawn).
+    reason : str or None
+        Why ``method`` ran (``"auto"`` and every step down from the policy asked for).
     exact : bool
-        Every prompt row of the kept cache is the model's exact K/V (the cache may then serve as an exact prefix).
+        Every prompt row of the kept cache is the model's exact K/V (the cache may then serve as an exact prefix);
+        about the cache, not the answer (:attr:`exact_output`).
     stored : bool
         The call's cache is now held by the session.
     evicted : int
@@ -164,8 +182,14 @@ class SessionStats:
     new_tokens: int = 0              # rows computed before the first token
     background_tokens: int = 0       # rows the exact background prefill computed (optimistic)
     generated_tokens: int = 0
-    ttft_s: float | None = None
+    ttft_s: float | None = None      # the first token the caller receives
     total_s: float | None = None
+    draft_ttft_s: float | None = None   # optimistic: the first draft's logits (not received under verify)
+    exact_output: bool = True        # the answer equals plain generate's (greedy or same seed)
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    divergent_tokens: int | None = None
+    reason: str | None = None        # why ``method`` ran
     exact: bool = True               # every prompt row of the kept cache is the model's exact K/V
     stored: bool = False             # the call's cache is now held
     evicted: int = 0                 # held caches evicted after this call
@@ -313,6 +337,9 @@ class ReuseSession:
         self.method_kwargs = dict(method_kwargs or {})
         self.last_stats: SessionStats | None = None
         self.calls = 0
+        #: what ``"auto"`` measured on this session's calls (per device and thread count)
+        self.chooser = AutoChooser()
+        self._no_drafts: str | None = None  # why this model cannot use verified drafts ('' if it can; None: unknown)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_key = 0
         self._trajectory = None  # the BaseLRCache of policy "base_lr"
@@ -483,18 +510,31 @@ class ReuseSession:
                 # LatentRemedyCache computes the agent's own prefix (the bridge reads its last hidden state): a
                 # span at token 0 is not one of the blocks it remedies
                 al = dataclasses.replace(al, spans=al.spans[1:], prefix_len=0)
-        method = policy
+        method, reason = policy, None
+        exact_method = "prefix" if prefix else "full"
         if prefix_only and policy == "auto":
-            method = "prefix" if prefix else "full"
+            method = exact_method
+            reason = ("beam search / several sequences: exact prefix reuse only" if not opts.stepwise else
+                      "sliding-window layers: exact prefix reuse only" if any(self._windows) else
+                      "offloaded weights cannot prefill in the background: exact prefix reuse only")
         elif policy == "auto":
-            donor_rows = (al.matched - al.prefix_len) if al is not None else 0
-            method = "optimistic" if donor_rows >= self.min_donor_tokens else ("prefix" if prefix else "full")
+            method, reason = self._auto(ids, al, prefix, opts, kwargs)
         elif policy in ("optimistic",) + BLOCK_POLICIES and (al is None or not al.spans):
-            method = "prefix" if prefix else "full"  # nothing held to reuse
-        stats.method = method
+            method = exact_method  # nothing held to reuse
+            reason = "no held cache shares a span with the prompt"
+        stats.method, stats.reason = method, reason
 
-        cache, used = self._build(method, ids, entries, al, prefix, prefix_key, prefix_kv, stats, set(trusted),
-                                  producer)
+        try:
+            cache, used = self._build(method, ids, entries, al, prefix, prefix_key, prefix_kv, stats,
+                                      set(trusted), producer)
+        except (UnsupportedModelError, UnsupportedRopeError) as e:
+            if policy != "auto":
+                raise  # an explicitly requested method refuses clearly
+            method = stats.method = exact_method  # the default steps down, never raises
+            stats.reason = f"{type(self.model).__name__} cannot use verified drafts ({e}): exact prefix reuse"
+            self._no_drafts = stats.reason
+            cache, used = self._build(method, ids, entries, al, prefix, prefix_key, prefix_kv, stats,
+                                      set(trusted), producer)
         if opts.sequences > 1 and cache.get_seq_length():
             cache.batch_repeat_interleave(opts.sequences)  # generate expands the prompt, not a cache it is given
         out = self._timed_generate(ids, cache, kwargs, stats, timed=opts.sequences == 1)
@@ -504,12 +544,23 @@ class ReuseSession:
         if cs is not None and hasattr(cs, "as_dict"):
             stats.cache_stats = cs.as_dict()
         if method == "optimistic":
-            stats.exact = bool(cache.stats.exact)
-            stats.background_tokens = cache.stats.background_tokens
-            stats.new_tokens = cache.stats.new_tokens  # one count: what the cache computed before the first token
-            stats.donor_tokens -= cache.stats.repaired_tokens  # repair= recomputed those donor rows: new, not reused
+            cst = cache.stats
+            stats.exact = bool(cst.exact)
+            stats.exact_output = bool(cst.exact_output)
+            stats.draft_ttft_s = cst.draft_ttft_s
+            stats.drafted_tokens, stats.accepted_tokens = cst.drafted_tokens, cst.accepted_tokens
+            stats.divergent_tokens = cst.divergent_tokens
+            stats.background_tokens = cst.background_tokens
+            stats.new_tokens = cst.new_tokens  # one count: what the cache computed before the first token
+            stats.donor_tokens -= cst.repaired_tokens  # repair= recomputed those donor rows: new, not reused
+            if cst.rebase == "verify" and opts.sequences == 1:
+                self.chooser.record_drafts(ids.device, cst.background_tokens + 1, stats.ttft_s, stats.total_s,
+                                           stats.generated_tokens)
         elif method not in ("full", "prefix"):
-            stats.exact = False
+            stats.exact = stats.exact_output = False
+        elif opts.sequences == 1:
+            self.chooser.record_exact(ids.device, stats.new_tokens, stats.ttft_s, stats.total_s,
+                                      stats.generated_tokens)
         with self._state:
             for key in used:  # recently useful caches are the last to go
                 if key in self._entries:
@@ -523,6 +574,39 @@ class ReuseSession:
         self.calls += 1
         self.last_stats = stats
         return out
+
+    def _auto(self, ids: torch.Tensor, al: Alignment | None, prefix: int, opts, kwargs: dict) -> tuple[str, str]:
+        """``"auto"``'s choice for one call: ``(method, reason)`` (module docstring, :class:`~hf_kvreuse.auto.AutoChooser`)."""
+        from .generation.options import replay_unsafe_call
+
+        exact_method = "prefix" if prefix else "full"
+        n = ids.shape[1]
+        donor_rows = (al.matched - al.prefix_len) if al is not None else 0
+        if donor_rows < self.min_donor_tokens:
+            return exact_method, (f"held caches offer {donor_rows} rows past the exact prefix of {prefix} "
+                                  f"(< min_donor_tokens={self.min_donor_tokens}): exact prefix reuse")
+        unsafe = replay_unsafe_call(opts, kwargs)
+        if unsafe is not None:
+            return exact_method, f"drafts cannot be verified by replaying {unsafe}: exact prefix reuse"
+        if self._no_drafts is None:
+            self._no_drafts = self._model_reason()  # probed once per session (the probe itself is cached per model)
+        if self._no_drafts:
+            return exact_method, self._no_drafts
+        if self.rebase == "commit" or self.method_kwargs.get("rebase") == "commit":
+            return "optimistic", "rebase='commit' asked for (approximate: answers may differ)"
+        draft, why = self.chooser.choose(ids.device, n, n - prefix)
+        return ("optimistic" if draft else exact_method), why
+
+    def _model_reason(self) -> str:
+        """Why this model cannot draft from re-positioned K/V ('' when it can): the cached model probe."""
+        from .model_check import check_model
+
+        report = check_model(self.model)
+        if not report.rope_ok:
+            return f"its K/V cannot be re-positioned ({report.rope_reason}): exact prefix reuse"
+        if not report.engine_ok:
+            return f"the partial prefill does not reproduce it ({report.engine_reason}): exact prefix reuse"
+        return ""
 
     def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats, timed: bool = True):
         """``model.generate`` with ``cache`` (None: no cache keyword); TTFT and total time from a streamer (the
@@ -554,7 +638,7 @@ class ReuseSession:
         turn = cache.stats.turns[-1]
         stats.exact_prefix_tokens, stats.new_tokens = turn.cached_tokens, turn.prefill_tokens
         stats.generated_tokens = turn.generated_tokens
-        stats.exact = cache.method == "nonshared"  # the shared methods carry other adapters' hidden states
+        stats.exact = stats.exact_output = cache.method == "nonshared"  # shared methods carry other adapters' states
         stats.cache_stats = asdict(turn)
         stats.stored = True
         if cache.kv_bytes() > self.max_bytes:  # the trajectory does not fit: start a new one next call

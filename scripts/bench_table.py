@@ -49,15 +49,19 @@ def _ci(ci) -> str:
 def table(result: dict) -> str:
     rows = result["summary"]
     lines = ["| method | n | accuracy [95% CI] | accuracy - full [paired 95% CI] | final answer = full's [95% CI] "
-             "| TTFT / full | first verified / full | end-to-end / full | drafts accepted |",
+             "| first token received / full | first draft / full | end-to-end / full | drafts accepted |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         diff = (f"{100 * r['accuracy_minus_full']:+.0f} {_ci(r['accuracy_minus_full_ci'])}"
                 if "accuracy_minus_full" in r else "-")
         kept = _pct(r["accepted_share"]) if "accepted_share" in r else "-"
+        # summaries written before the draft had its own name: ttft_ratio was the draft's
+        received = r.get("first_verified_ratio", r["ttft_ratio"])
+        draft = r["ttft_ratio"] if "first_verified_ratio" in r else r.get("draft_ttft_ratio")
+        draft = f"{draft:.2f}" if draft is not None else "-"
         lines.append(f"| {r['method']} | {r['n']} | {_pct(r['accuracy'])} {_ci(r['accuracy_ci'])} | {diff} | "
-                     f"{_pct(r['agreement'])} {_ci(r['agreement_ci'])} | {r['ttft_ratio']:.2f} | "
-                     f"{r['first_verified_ratio']:.2f} | {r['e2e_ratio']:.2f} | {kept} |")
+                     f"{_pct(r['agreement'])} {_ci(r['agreement_ci'])} | {received:.2f} | "
+                     f"{draft} | {r['e2e_ratio']:.2f} | {kept} |")
     return "\n".join(lines)
 
 

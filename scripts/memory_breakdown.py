@@ -156,7 +156,8 @@ def main():
 
     def optimistic(donor_cache, **kw):
         phases.stamps.clear()
-        cache = OptimisticCache(model, input_ids=ids, donor_cache=donor_cache, donor_ids=donor.sequences, **kw)
+        cache = OptimisticCache(model, input_ids=ids, donor_cache=donor_cache, donor_ids=donor.sequences,
+                                **{"rebase": "commit", **kw})
         out = model.generate(ids, cache=cache, **gen)
         res["optimistic_stats"] = cache.stats.as_dict()
         return out
@@ -185,7 +186,8 @@ def main():
     # 4. assembly alone (no generate, no background job)
     if args.parts:
         def assemble_only():
-            cache = OptimisticCache(model, input_ids=ids, donor_cache=donor_cache, donor_ids=donor.sequences)
+            cache = OptimisticCache(model, input_ids=ids, donor_cache=donor_cache, donor_ids=donor.sequences,
+                                    rebase="commit")
             cache._assemble()
             return cache
         res["optimistic_assemble_alone_mib"] = peak(assemble_only).peak_mib

@@ -95,7 +95,8 @@ class CacheZoo:
         elif method == "optimistic":
             ids_a, ids_b = (self._ids(t) for t in agent_prompts(4))
             out_a = m.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-            cache = OptimisticCache(m, ids_b, output_cache(out_a), out_a.sequences, max_optimistic_tokens=3)
+            cache = OptimisticCache(m, ids_b, output_cache(out_a), out_a.sequences, max_optimistic_tokens=3,
+                                    rebase="commit")
             # the swap waits for step 3 in every run: a background prefill done before the first step would swap
             # earlier in one run than another (exact vs donor logits: 5.4 apart on an H200), timing, not kernels
             ready, BackgroundPrefill.ready = BackgroundPrefill.ready, lambda self: False

@@ -66,8 +66,9 @@ def test_offloaded_models_are_refused_for_background_prefill(model):
     decoder_layers(model)[0]._hf_hook = SimpleNamespace(execution_device="cpu", offload=True)
     assert offloaded(model)
     with pytest.raises(ValueError, match="offloaded weights"):
-        OptimisticCache(model, ids_b, *donor)
-    OptimisticCache(model, ids_b, *donor, max_optimistic_tokens=0)  # exact prefill before the first token: fine
+        OptimisticCache(model, ids_b, *donor, rebase="commit")
+    OptimisticCache(model, ids_b, *donor, max_optimistic_tokens=0,
+                    rebase="commit")  # exact prefill before the first token: fine
 
 
 def test_per_device_copies_are_made_once():

@@ -78,7 +78,7 @@ def test_side_stream_exact_after_swap(big):
     swapped-in K/V are read before the side stream finished writing them)."""
     ids_a, ids_b = _prompts(4096 if ON_CUDA else 256)
     out_a = _generate(big, ids_a, new=8)
-    cache = OptimisticCache(big, ids_b, output_cache(out_a), out_a.sequences)
+    cache = OptimisticCache(big, ids_b, output_cache(out_a), out_a.sequences, rebase="commit")
     out = _generate(big, ids_b, cache)
     st = cache.stats
     assert st.swap_step is not None, "the exact cache was never swapped in"
@@ -119,7 +119,7 @@ def test_no_leaks_over_twenty_calls(big):
     levels = []
     try:
         for _ in range(20):
-            cache = OptimisticCache(big, ids_b, donor, donor_ids)
+            cache = OptimisticCache(big, ids_b, donor, donor_ids, rebase="commit")
             out = _generate(big, ids_b, cache, new=8)
             del cache, out
             gc.collect()
@@ -201,7 +201,8 @@ def test_cpu_prompt_on_a_cuda_model(mode, zoo_fp32):
             ids_a, ids = agent_prompts(4)
             out_a = m.generate(ids_a.to(DEVICE), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
             kw = dict(rebase="verify") if mode == "verify" else dict(gate=0.5)
-            cache = OptimisticCache(m, ids.to(DEVICE), output_cache(out_a), out_a.sequences, **kw)
+            cache = OptimisticCache(m, ids.to(DEVICE), output_cache(out_a), out_a.sequences,
+                                    **{"rebase": "commit", **kw})
         from hf_kvreuse.generation.background import BackgroundPrefill
         ready, BackgroundPrefill.ready = BackgroundPrefill.ready, lambda self: False  # the same swap step in both
         try:
@@ -257,7 +258,8 @@ def test_device_map_split(split_pair, method):
             ready = BackgroundPrefill.ready
             BackgroundPrefill.ready = lambda self: False  # swap at step 3 in both runs
             try:
-                cache = OptimisticCache(model, ids, output_cache(out_a), out_a.sequences, max_optimistic_tokens=3)
+                cache = OptimisticCache(model, ids, output_cache(out_a), out_a.sequences, max_optimistic_tokens=3,
+                                        rebase="commit")
                 outs[name] = _generate(model, ids, cache, new=6), cache
             finally:
                 BackgroundPrefill.ready = ready
@@ -289,6 +291,7 @@ def test_offloaded_model_refused_for_background_prefill():
     ids_a, ids_b = _prompts(64, seed=5)
     out_a = _generate(model, ids_a, new=2)
     with pytest.raises(ValueError, match="offload"):
-        OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences)
-    cache = OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences, max_optimistic_tokens=0)
+        OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences, rebase="commit")
+    cache = OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences, max_optimistic_tokens=0,
+                            rebase="commit")
     assert torch.equal(_generate(model, ids_b, cache, new=4).sequences, _generate(model, ids_b, new=4).sequences)

@@ -50,7 +50,7 @@ def test_batch_encoding_everywhere_gives_the_tensors_answer(llama):
     runs = []
     for form in ("kw", "positional"):
         cache = OptimisticCache(llama, input_ids=enc(ids_b), donor_cache=output_cache(out_a),
-                                donor_ids=enc(out_a.sequences), max_optimistic_tokens=0)
+                                donor_ids=enc(out_a.sequences), max_optimistic_tokens=0, rebase="commit")
         out = llama.generate(**enc(ids_b), past_key_values=cache, **GEN) if form == "kw" else \
             llama.generate(enc(ids_b), past_key_values=cache, **GEN)
         runs.append(out)
@@ -68,13 +68,15 @@ def test_padded_or_batched_encodings_refused(llama):
                                                                                    dtype=torch.long)], 1))
     out_a = llama.generate(ids_a, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="padding"):
-        OptimisticCache(llama, input_ids=padded, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
+        OptimisticCache(llama, input_ids=padded, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
+                        rebase="commit")
     with pytest.raises(ValueError, match="padding"):
         ReuseSession(llama).generate(padded, **GEN)
     with pytest.raises(ValueError, match="one prompt per call"):
         ReuseSession(llama).generate(enc(torch.cat([ids_b, ids_b])), **GEN)
     with pytest.raises(TypeError, match="got text"):
         ReuseSession(llama).generate("a prompt", **GEN)
-    cache = OptimisticCache(llama, input_ids=None, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
+    cache = OptimisticCache(llama, input_ids=None, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
+                            rebase="commit")
     with pytest.raises(ValueError, match="prompt twice"):
         llama.generate(enc(ids_b), input_ids=ids_b, past_key_values=cache, **GEN)

@@ -200,7 +200,8 @@ def test_partial_recompute_same_on_triton_backend(monkeypatch, method):
         out_a = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
 
         def make():
-            return OptimisticCache(model, ids, output_cache(out_a), out_a.sequences, max_optimistic_tokens=3)
+            return OptimisticCache(model, ids, output_cache(out_a), out_a.sequences, max_optimistic_tokens=3,
+                                   rebase="commit")
     else:
         ids, spans = rag_prompt(2)
 

@@ -341,7 +341,7 @@ def test_caches_same_on_triton_backend(monkeypatch, method):
     ids, spans = rag_prompt(2)
     make = {
         "optimistic": lambda: (ids_b, OptimisticCache(model, ids_b, output_cache(out_a), out_a.sequences,
-                                                      max_optimistic_tokens=3)),
+                                                      max_optimistic_tokens=3, rebase="commit")),
         "blend": lambda: (ids, BlendCache(model, ids, spans, recompute_ratio=0.3)),
         "epic": lambda: (ids, EPICCache(model, ids, spans)),
     }[method]

@@ -64,7 +64,7 @@ def _chain_growth(model, calls: int, **kw) -> int:
     def step(i, donor):
         ids = prompts[i % 2]
         cache = OptimisticCache(model, input_ids=ids, donor_cache=donor[0], donor_ids=donor[1],
-                                max_optimistic_tokens=2, **kw)
+                                max_optimistic_tokens=2, **{"rebase": "commit", **kw})
         out = model.generate(ids, cache=cache, return_dict_in_generate=True, **GEN)
         return output_cache(out), out.sequences
 
@@ -146,7 +146,8 @@ def test_optimistic_kv_freed_at_the_swap(model, monkeypatch):
     monkeypatch.setattr(OptimisticCache, "_swap_in", swap_in)
     ids_a, ids_b = agent_prompts(1, shared=80)
     donor = _donor(model, ids_a)
-    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor[0], donor_ids=donor[1], max_optimistic_tokens=3)
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor[0], donor_ids=donor[1], max_optimistic_tokens=3,
+                            rebase="commit")
     model.generate(ids_b, cache=cache, **GEN)
     assert cache.stats.swap_step is not None and cache.stats.exact
     assert refs and seen["alive_after_swap"] == 0
@@ -165,10 +166,11 @@ def test_release_donor(model, monkeypatch):
     donor = output_cache(out_a)
     refs = [weakref.ref(t) for k, v in kv_of(donor) for t in (k, v)]
     ref_out = model.generate(ids_b, cache=OptimisticCache(model, input_ids=ids_b, donor_cache=donor,
-                                                          donor_ids=out_a.sequences, max_optimistic_tokens=3), **GEN)
+                                                          donor_ids=out_a.sequences, max_optimistic_tokens=3,
+                                                              rebase="commit"), **GEN)
     assert all(r() is not None for r in refs)  # default: the donor is read, never modified
     cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=out_a.sequences, release_donor=True,
-                            max_optimistic_tokens=3)
+                            max_optimistic_tokens=3, rebase="commit")
     out = model.generate(ids_b, cache=cache, **GEN)
     gc.collect()
     assert cache.stats.swap_step == 3
@@ -182,7 +184,7 @@ def test_release_donor_without_assembly(model):
     ids_a, ids_b = agent_prompts(2, shared=40)
     donor, dids = _donor(model, ids_a)
     cache = OptimisticCache(model, input_ids=ids_b, donor_cache=donor, donor_ids=dids, max_optimistic_tokens=0,
-                            release_donor=True)
+                            release_donor=True, rebase="commit")
     model.generate(ids_b, cache=cache, **GEN)
     assert all(k.numel() == 0 for k, _ in kv_of(donor))
 

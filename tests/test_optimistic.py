@@ -20,6 +20,7 @@ def _donor(model, ids, new=8):
 
 
 def _cache(model, ids_b, donor, **kw):
+    kw.setdefault("rebase", "commit")  # the RebaseKV mechanism as published (verify has tests/test_verify.py)
     return OptimisticCache(model, input_ids=ids_b, donor_cache=donor[0], donor_ids=donor[1], **kw)
 
 
@@ -219,7 +220,7 @@ def test_return_dict_and_chain_of_three(llama):
     for i in (1, 2):
         ids = torch.cat([roles[i], q] + answers, 1)
         cache = OptimisticCache(llama, input_ids=ids, donor_cache=output_cache(out), donor_ids=out.sequences,
-                                max_optimistic_tokens=2)
+                                max_optimistic_tokens=2, rebase="commit")
         out = llama.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
         assert output_cache(out) is cache and cache.stats.exact
         assert cache.stats.reused_tokens >= q.shape[1]  # the question and earlier answers came from the donor

@@ -310,11 +310,11 @@ def test_foreign_donor_refused(llama):
     out_o = other.generate(ids_a, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     out_m = llama.generate(ids_a, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="not computed by this model"):
-        OptimisticCache(llama, ids_b, output_cache(out_o), out_o.sequences)
-    OptimisticCache(llama, ids_b, output_cache(out_m), out_m.sequences)
+        OptimisticCache(llama, ids_b, output_cache(out_o), out_o.sequences, rebase="commit")
+    OptimisticCache(llama, ids_b, output_cache(out_m), out_m.sequences, rebase="commit")
     bare = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in kv_of(output_cache(out_m))], llama.config)
-    OptimisticCache(llama, ids_b, bare, out_m.sequences)
-    OptimisticCache(llama, ids_b, output_cache(out_o), out_o.sequences, verify_donor=False)
+    OptimisticCache(llama, ids_b, bare, out_m.sequences, rebase="commit")
+    OptimisticCache(llama, ids_b, output_cache(out_o), out_o.sequences, verify_donor=False, rebase="commit")
 
 
 def test_foreign_source_cache_refused(tiny_pair):
@@ -344,7 +344,7 @@ def test_divergence_counts_under_logits_processors(llama, monkeypatch):
     ids = toks(40, 0)
     out_a = llama.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     for kw in (dict(), dict(repetition_penalty=1.3), dict(repetition_penalty=1.3, no_repeat_ngram_size=2)):
-        c = OptimisticCache(llama, ids, output_cache(out_a), out_a.sequences, max_optimistic_tokens=8)
+        c = OptimisticCache(llama, ids, output_cache(out_a), out_a.sequences, max_optimistic_tokens=8, rebase="commit")
         out = llama.generate(ids, cache=c, max_new_tokens=10, do_sample=False, **kw)
         assert torch.equal(out, llama.generate(ids, max_new_tokens=10, do_sample=False, **kw))
         assert c.stats.optimistic_tokens == 8 and c.stats.divergent_tokens == 0, (kw, c.stats)
@@ -367,8 +367,8 @@ def test_offloaded_model():
     ids_a, ids_b = _agents()
     out_a = m.generate(ids_a, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="offloaded"):
-        OptimisticCache(m, ids_b, output_cache(out_a), out_a.sequences)
-    c = OptimisticCache(m, ids_b, output_cache(out_a), out_a.sequences, max_optimistic_tokens=0)
+        OptimisticCache(m, ids_b, output_cache(out_a), out_a.sequences, rebase="commit")
+    c = OptimisticCache(m, ids_b, output_cache(out_a), out_a.sequences, max_optimistic_tokens=0, rebase="commit")
     assert torch.equal(m.generate(ids_b, cache=c, **GEN), ref.generate(ids_b, **GEN))
     s = ReuseSession(m)
     for ids in (ids_a, torch.cat([ids_a, toks(4, 1)], 1), ids_b):

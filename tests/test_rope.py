@@ -100,7 +100,7 @@ def test_dynamic_rope_refused(cfg):
         RopeShifter(model)
     ids = torch.randint(3, 128, (1, 8))
     with pytest.raises(UnsupportedRopeError, match="dynamic"):
-        OptimisticCache(model, input_ids=ids, donor_cache=DynamicCache(), donor_ids=ids)
+        OptimisticCache(model, input_ids=ids, donor_cache=DynamicCache(), donor_ids=ids, rebase="commit")
 
 
 def test_longrope_refused():

@@ -40,7 +40,7 @@ def two_agents(smollm2):
 def test_swap_continuation_is_exact(two_agents):
     model, out_a, ids_b = two_agents
     cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
-                            max_optimistic_tokens=6)
+                            max_optimistic_tokens=6, rebase="commit")
     out = model.generate(ids_b, cache=cache, max_new_tokens=20, do_sample=False)
     s = cache.stats
     assert s.swap_step is not None and s.swap_step <= 6 and s.exact
@@ -54,7 +54,7 @@ def test_zero_optimistic_tokens_is_plain_generate(two_agents):
     model, out_a, ids_b = two_agents
     ref = model.generate(ids_b, max_new_tokens=12, do_sample=False)
     cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
-                            max_optimistic_tokens=0)
+                            max_optimistic_tokens=0, rebase="commit")
     assert torch.equal(model.generate(ids_b, past_key_values=cache, max_new_tokens=12, do_sample=False), ref)
 
 
@@ -81,10 +81,11 @@ def test_stock_text_generation_pipeline(smollm2):
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     ref = pipe(msgs[1], max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
     cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
-                            max_optimistic_tokens=0)
+                            max_optimistic_tokens=0, rebase="commit")
     got = pipe(msgs[1], cache=cache, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
     assert got == ref and cache.stats.exact
-    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences)
+    cache = OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
+                            rebase="commit")
     assert pipe(msgs[1], cache=cache, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1]["content"]
     assert cache.stats.reused_tokens > 0 and cache.stats.ttft_s is not None
 
@@ -103,7 +104,7 @@ def test_kvreuse_pipeline_builds_a_cache_per_input(smollm2):
 
     def factory(m, ids):
         made.append(OptimisticCache(m, input_ids=ids, donor_cache=output_cache(out_a), donor_ids=out_a.sequences,
-                                    max_optimistic_tokens=0))
+                                    max_optimistic_tokens=0, rebase="commit"))
         return made[-1]
 
     pipe = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)
@@ -138,7 +139,7 @@ def test_chat_continuation_after_optimistic_turn(two_agents, smollm2):
     K/V are then cropped and recomputed from wrong tokens -- or, without the crop, reused for other tokens)."""
     model, out_a, ids_b = two_agents
     _, tok = smollm2
-    cache = OptimisticCache(model, None, output_cache(out_a), out_a.sequences, max_optimistic_tokens=4)
+    cache = OptimisticCache(model, None, output_cache(out_a), out_a.sequences, max_optimistic_tokens=4, rebase="commit")
     out_b = model.generate(ids_b, cache=cache, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     reply = tok("\nThanks. And how long is it?", return_tensors="pt", add_special_tokens=False)["input_ids"]
     turn2 = torch.cat([out_b.sequences, reply], 1)

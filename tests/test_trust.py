@@ -166,7 +166,7 @@ def test_assembled_optimistic_cache_layer0_equals_full_prefill(arch_model, held_
         orig(self, outputs)
 
     monkeypatch.setattr(OptimisticCache, "after_forward", snapshot_first_step)
-    cache = OptimisticCache(arch_model, ids_b, *donor, max_optimistic_tokens=None)
+    cache = OptimisticCache(arch_model, ids_b, *donor, max_optimistic_tokens=None, rebase="commit")
     arch_model.generate(ids_b, cache=cache, max_new_tokens=2, do_sample=False)
     assert cache.stats.reused_tokens >= 30 and cache.stats.new_tokens > 0 and cache.stats.fused_first_step
     ref, _ = exact_prefill(arch_model, ids_b)
@@ -188,7 +188,8 @@ def test_swap_before_first_token_after_assembly_is_plain_generate(arch_model, mo
     kw = dict(max_new_tokens=10, do_sample=do_sample, top_k=0)
     torch.manual_seed(3)
     ref = arch_model.generate(ids_b, return_dict_in_generate=True, output_logits=True, **kw)
-    cache = OptimisticCache(arch_model, ids_b, *donor, max_optimistic_tokens=None, background_start="immediate")
+    cache = OptimisticCache(arch_model, ids_b, *donor, max_optimistic_tokens=None, background_start="immediate",
+                            rebase="commit")
     torch.manual_seed(3)
     out = arch_model.generate(ids_b, cache=cache, return_dict_in_generate=True, output_logits=True, **kw)
     assert cache.stats.swap_step == 0 and cache.stats.new_tokens > 0  # assembly ran, then the swap
@@ -204,7 +205,7 @@ def test_sampling_swap_continues_exactly(llama, held_background):
     with ``self._replay = None``; keeping the replay record, ``_count_divergence`` raises instead)."""
     ids_a, ids_b = agent_prompts(4)
     donor = _donor(llama, ids_a)
-    cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=3)
+    cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=3, rebase="commit")
     kw = dict(do_sample=True, temperature=0.8, top_k=0, return_dict_in_generate=True, output_logits=True)
     out = llama.generate(ids_b, cache=cache, max_new_tokens=12, **kw)
     assert cache.stats.swap_step == 3
@@ -228,7 +229,7 @@ def test_background_overlaps_decode_without_holding(llama):
     big = enable(tiny_model("llama", seed=4, hidden_size=128, intermediate_size=512))
     donor = _donor(big, ids_a)
     cache = OptimisticCache(big, ids_b, *donor, max_optimistic_tokens=None, background_start="immediate",
-                            background_threads=1)
+                            background_threads=1, rebase="commit")
     out = big.generate(ids_b, cache=cache, max_new_tokens=24, do_sample=False)
     s = cache.stats.swap_step
     assert cache.stats.exact and s is not None
@@ -249,7 +250,7 @@ def test_background_prefill_runs_under_callers_autocast(llama, held_background):
     ids_a, ids_b = agent_prompts(23)
     donor = _donor(llama, ids_a)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=2)
+        cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=2, rebase="commit")
         out = llama.generate(ids_b, cache=cache, max_new_tokens=2, do_sample=False)
         ref_bf16, _ = exact_prefill(llama, ids_b[:, :-1])
     ref_fp32, _ = exact_prefill(llama, ids_b[:, :-1])
@@ -264,7 +265,7 @@ def test_background_prefill_keeps_inference_mode(llama, held_background):
     ids_a, ids_b = agent_prompts(24)
     donor = _donor(llama, ids_a)
     with torch.inference_mode():
-        cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=2)
+        cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=2, rebase="commit")
         llama.generate(ids_b, cache=cache, max_new_tokens=3, do_sample=False)
     assert all(k.is_inference() for k, _ in kv_of(cache))
 
@@ -289,7 +290,7 @@ def test_thread_counts_restored(llama):
 
     def run():
         cache = OptimisticCache(llama, ids_b, *donor, max_optimistic_tokens=None, background_threads=1,
-                                on_early_finish="cancel")
+                                on_early_finish="cancel", rebase="commit")
         llama.generate(ids_b, cache=cache, max_new_tokens=4, do_sample=False)
         results["own"] = torch.get_num_threads()
 
@@ -316,7 +317,7 @@ def test_concurrent_generate_calls_match_sequential(arch_model, held_background)
     def run(i, out):
         ids_b = pairs[i][1]
         if i == 0:
-            cache = OptimisticCache(arch_model, ids_b, *donors[i], max_optimistic_tokens=4)
+            cache = OptimisticCache(arch_model, ids_b, *donors[i], max_optimistic_tokens=4, rebase="commit")
         else:
             ids, _, spans = rag_prompt(i)
             ids_b = ids
@@ -343,7 +344,7 @@ def _make(kind, model, seed=0):
     ids, _, spans = rag_prompt(seed)
     if kind == "optimistic":
         ids_a, ids = agent_prompts(seed + 40)
-        return OptimisticCache(model, ids, *_donor(model, ids_a), max_optimistic_tokens=2), ids
+        return OptimisticCache(model, ids, *_donor(model, ids_a), max_optimistic_tokens=2, rebase="commit"), ids
     cls, kw = {"direct": (DirectReuseCache, {}), "tail": (TailRecomputeCache, {"recompute_tokens": 4}),
                "epic": (EPICCache, {"recompute_tokens": 4}), "blend": (BlendCache, {"recompute_ratio": 0.3}),
                "offset": (OffsetCache, {"block_prefix_ids": "own"})}[kind]
@@ -421,7 +422,7 @@ def test_optimistic_cache_without_input_ids(llama):
     (tokens stay exact through the replay; the swap moves to step 1)."""
     ids_a, ids_b = agent_prompts(26)
     donor = _donor(llama, ids_a)
-    ca, cb = (OptimisticCache(llama, ids, *donor, max_optimistic_tokens=0) for ids in (None, ids_b))
+    ca, cb = (OptimisticCache(llama, ids, *donor, max_optimistic_tokens=0, rebase="commit") for ids in (None, ids_b))
     a = llama.generate(ids_b, cache=ca, **GEN)
     b = llama.generate(ids_b, cache=cb, **GEN)
     assert torch.equal(a, b) and torch.equal(a, llama.generate(ids_b, **GEN))
@@ -477,7 +478,7 @@ def test_enabled_model_pickles_and_deepcopies_enabled(llama):
         assert is_enabled(clone) and type(clone).__name__ == "LlamaForCausalLM"
         assert torch.equal(clone.generate(ids, **GEN), ref)
         ids_a, ids_b = agent_prompts(27)
-        c = OptimisticCache(clone, ids_b, *_donor(clone, ids_a), max_optimistic_tokens=0)
+        c = OptimisticCache(clone, ids_b, *_donor(clone, ids_a), max_optimistic_tokens=0, rebase="commit")
         assert torch.equal(clone.generate(ids_b, cache=c, **GEN), llama.generate(ids_b, **GEN))
 
 
@@ -498,7 +499,7 @@ def test_deepcopy_cache_copies_tensors_not_the_model(llama):
 # -- the mixin's argument handling ------------------------------------------------------------------------------
 def test_positional_generation_config_is_validated(llama):
     ids_a, ids_b = agent_prompts(28)
-    cache = OptimisticCache(llama, ids_b, *_donor(llama, ids_a))
+    cache = OptimisticCache(llama, ids_b, *_donor(llama, ids_a), rebase="commit")
     with pytest.raises(ValueError, match="num_beams"):
         llama.generate(ids_b, GenerationConfig(num_beams=4, max_new_tokens=3), cache=cache)
 
@@ -509,12 +510,13 @@ def test_cache_kept_when_the_other_keyword_is_none(llama):
     Planted bug that fails it: ``_one_cache_keyword`` collects every cache keyword present, ``None`` included
     (``if n in kwargs``): the call is refused as two different caches."""
     ids_a, ids_b = agent_prompts(29)
-    cache = OptimisticCache(llama, ids_b, *_donor(llama, ids_a), max_optimistic_tokens=0)
+    cache = OptimisticCache(llama, ids_b, *_donor(llama, ids_a), max_optimistic_tokens=0, rebase="commit")
     out = llama.generate(ids_b, cache=cache, past_key_values=None, return_dict_in_generate=True, **GEN)
     assert output_cache(out) is cache and cache.stats.exact
     other = DynamicCache(config=llama.config)
     with pytest.raises(ValueError, match="two different caches"):
-        llama.generate(ids_b, cache=OptimisticCache(llama, ids_b, *_donor(llama, agent_prompts(29)[0])),
+        llama.generate(ids_b, cache=OptimisticCache(llama, ids_b, *_donor(llama, agent_prompts(29)[0]),
+                                                    rebase="commit"),
                        past_key_values=other, **GEN)
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvreuse import OptimisticCache, ReuseSession, enable, output_cache
-from hf_kvreuse.cache_classes.optimistic import speculative_accept
+from hf_kvreuse.cache_classes.optimistic import sample_accept
 from hf_kvreuse.compat import cache_kwargs
 from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.kv import kv_of
@@ -75,7 +75,7 @@ def test_verify_greedy_is_plain_generate(arch_model, monkeypatch, donor, swap_af
     assert st.optimistic_tokens == drafts and st.accepted_tokens + st.rejected_tokens == drafts
     if donor == "same_prompt":
         assert st.rejected_tokens == 0  # the prompt's own cache is exact: every draft is kept
-    assert st.first_verified_token_s is not None and st.exact
+    assert st.ttft_s is not None and st.ttft_s >= st.draft_ttft_s and st.exact and st.exact_output
     exact, _ = exact_prefill(model, out.sequences[:, :-1])
     assert_kv_close(cache, exact, atol=1e-4, rtol=1e-4)
     # the returned cache continues the conversation as plain generate would
@@ -231,32 +231,60 @@ def test_streamer_receives_verified_tokens_only(llama, held):
     assert sum(rec.puts[1:], []) == out[0, ids_b.shape[1]:].tolist()
 
 
-def _direct_rule(p_scores, q_scores, drafts, gen):
-    """The speculative-sampling rule written out independently of the library (Leviathan et al. 2023, Alg. 1)."""
-    p, q = torch.softmax(p_scores.double(), -1), torch.softmax(q_scores.double(), -1)
-    for i, t in enumerate(drafts.tolist()):
-        r = torch.rand((), generator=gen, device=p.device)
-        if r.item() < min(1.0, (p[i, t] / q[i, t]).item()):
-            continue
-        resid = torch.clamp(p[i] - q[i], min=0)
-        return i, torch.multinomial((resid / resid.sum()).float(), 1, generator=gen)[0]
-    return len(drafts), torch.multinomial(p[-1].float(), 1, generator=gen)[0]
+def test_sample_accept_draws_as_plain_sampling_does():
+    """``sample_accept`` keeps a draft only while it equals a draw from the exact scores with the global generator,
+    and leaves the generator where ``kept + 1`` (``kept`` when all are kept) plain sampling draws leave it, over many
+    random cases (drafts that match the draws partly, wholly or not at all).
 
-
-def test_speculative_rule_matches_a_direct_implementation():
-    """With the same generator seed, ``speculative_accept`` keeps the same drafts and draws the same next token as
-    an independent implementation of the rule, over many random cases (different temperatures of p vs q).
-
-    Planted bug that fails it: the residual is ``p - q`` without the clamp at 0 (or ``q - p``)."""
-    for case in range(200):
+    Planted bug that fails it: the generator is not rewound after the look-ahead draws (the next draw of the
+    continuation then differs from plain sampling's)."""
+    for case in range(100):
         g = torch.Generator().manual_seed(case)
         v, k = 12, int(torch.randint(1, 5, (), generator=g))
-        p = torch.randn(k + 1, v, generator=g) * 2
-        q = p[:k] + torch.randn(k, v, generator=g) * (case % 3)
-        drafts = torch.multinomial(torch.softmax(q, -1), 1, generator=g)[:, 0]
-        got = speculative_accept(p, q, drafts, generator=torch.Generator().manual_seed(1000 + case))
-        want = _direct_rule(p, q, drafts, torch.Generator().manual_seed(1000 + case))
-        assert got[0] == want[0] and int(got[1]) == int(want[1]), case
+        scores = torch.randn(k + 1, v, generator=g) * 2
+        torch.manual_seed(1000 + case)
+        draws = [int(torch.multinomial(torch.softmax(scores[i: i + 1], -1), 1)) for i in range(k)]
+        after = [int(torch.multinomial(torch.softmax(scores[i: i + 1], -1), 1)) for i in range(k)]
+        cut = case % (k + 1)  # drafts equal to the draws up to ``cut``, then one different token
+        drafts = torch.tensor(draws[:cut] + [(d + 1) % v for d in draws[cut:]])
+        torch.manual_seed(1000 + case)
+        j, nxt = sample_accept(scores, drafts)
+        assert j == cut
+        if j < k:
+            assert int(nxt) == draws[j]
+            # the generator is where plain sampling's is after j + 1 draws
+            rest = int(torch.multinomial(torch.softmax(scores[j + 1: j + 2] if j + 1 <= k else scores[-1:], -1), 1))
+            torch.manual_seed(1000 + case)
+            for i in range(j + 1):
+                torch.multinomial(torch.softmax(scores[i: i + 1], -1), 1)
+            assert rest == int(torch.multinomial(torch.softmax(scores[j + 1: j + 2] if j + 1 <= k else
+                                                               scores[-1:], -1), 1))
+        del after
+
+
+@pytest.mark.parametrize("swap_after", [1, 3, 6, None])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_sampling_is_plain_generate(llama, monkeypatch, swap_after, seed):
+    """Sampling with ``rebase="verify"`` and a seed gives plain generate's tokens with the same seed, token for
+    token, whatever the swap step (forced after 1, 3, 6 drafts, or at the end), with drafts from another agent's
+    re-positioned cache (some kept, some withdrawn).
+
+    Planted bug that fails it: ``drive`` does not put the generator back to its state before the drafts (the
+    verified draws then depend on how many drafts were sampled)."""
+    monkeypatch.setattr(BackgroundPrefill, "ready", lambda self: False)
+    ids_a, ids_b = _agents()
+    cache_a, seq_a = _donor(llama, ids_a)
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=1.5, top_k=0)
+    torch.manual_seed(seed)
+    ref = _full(llama, ids_b, **kw)
+    cache = OptimisticCache(llama, ids_b, cache_a, seq_a, max_optimistic_tokens=swap_after)
+    torch.manual_seed(seed)
+    out = _full(llama, ids_b, cache=cache, **kw)
+    assert torch.equal(out.sequences, ref.sequences), (swap_after, cache.stats)
+    torch.testing.assert_close(torch.cat(out.logits), torch.cat(ref.logits), atol=1e-4, rtol=1e-4)
+    assert cache.stats.exact_output and cache.stats.drafted_tokens == (swap_after or 12)
+    # the generator is left where plain generate leaves it
+    assert torch.equal(torch.rand(3), (torch.manual_seed(seed), _full(llama, ids_b, **kw), torch.rand(3))[2])
 
 
 @pytest.mark.slow  # 200 generate calls: the full suite runs it, the per-version matrix does not
@@ -265,7 +293,7 @@ def test_sampled_first_token_follows_the_exact_distribution(llama, held):
     model's (processed, temperature 2) distribution (chi-square goodness of fit, p > 1e-3), although it is drafted
     from another agent's cache whose distribution differs (checked: total variation > 0.3).
 
-    Planted bug that fails it: ``speculative_accept`` keeps every draft (the tokens then follow the draft's
+    Planted bug that fails it: ``sample_accept`` keeps every draft (the tokens then follow the draft's
     distribution)."""
     ids_a, ids_b = _agents()
     cache_a, seq_a = _donor(llama, ids_a)
@@ -470,14 +498,14 @@ def test_full_repair_is_plain_generate(llama, held, repair):
 
 
 def test_session_default_keeps_the_answers(llama):
-    """``ReuseSession`` decodes optimistically by default and its answers equal plain generate's (greedy), agent
+    """``ReuseSession(policy="optimistic")`` verifies its drafts by default and its answers equal plain generate's (greedy), agent
     after agent; ``rebase="commit"`` is one keyword away.
 
     Planted bug that fails it: the session's default ``rebase`` is "commit" (answers differ on this random
     model)."""
     doc = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
     roles = [torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(10 + i)) for i in range(3)]
-    s = ReuseSession(llama)
+    s = ReuseSession(llama, policy="optimistic")  # verified drafts by name ("auto" drafts only where they pay)
     fast = ReuseSession(llama, rebase="commit")
     differs = False
     for r in roles:

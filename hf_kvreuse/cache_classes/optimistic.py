@@ -64,7 +64,17 @@ class OptimisticStats:
     Attributes
     ----------
     ttft_s : float or None
-        ``generate`` entry to the first token's logits.
+        ``generate`` entry to the first token the caller receives: under ``"commit"`` the first (optimistic)
+        token's logits, under ``"verify"`` the first verified token (drafts are never handed out).
+    draft_ttft_s : float or None
+        ``generate`` entry to the first forward's logits (under ``"verify"``: the first draft, which the caller
+        does not see; equal to ``ttft_s`` under ``"commit"``).
+    exact_output : bool
+        The returned tokens are guaranteed equal to plain ``generate``'s (greedy, or sampling with the same seed):
+        True under ``"verify"`` and whenever no optimistic token was emitted; never True for tokens ``"commit"``
+        emitted from the optimistic cache.
+    drafted_tokens : int or None
+        ``"verify"``: drafts the optimistic cache produced before verification; None under ``"commit"``.
     assemble_s : float or None
         Alignment, re-positioning of the donor rows and prefill of the unmatched rows (with ``fuse_first_step``
         the unmatched rows are computed in the first token's forward instead, and are not counted here).
@@ -105,8 +115,6 @@ class OptimisticStats:
         ``"verify"``: drafts kept (each equals what full prefill gives); None under ``"commit"``.
     rejected_tokens : int or None
         ``"verify"``: drafts withdrawn (the first one replaced by the exact choice); None under ``"commit"``.
-    first_verified_token_s : float or None
-        ``generate`` entry to the first token that will not be withdrawn.
     gated_step : int or None
         ``"commit"`` with ``gate=`` or ``gate_tokens=``: the step whose logits triggered the swap (None: no gate
         fired).
@@ -129,7 +137,10 @@ class OptimisticStats:
 
     __repr__ = stats_repr
 
-    ttft_s: float | None = None             # generate() entry -> first token's logits
+    ttft_s: float | None = None             # generate() entry -> the first token the caller receives
+    draft_ttft_s: float | None = None       # generate() entry -> the first forward's logits (a draft under verify)
+    exact_output: bool = False              # the returned tokens equal plain generate's (greedy or same seed)
+    drafted_tokens: int | None = None       # verify: drafts made before verification
     assemble_s: float | None = None         # alignment + re-positioning (+ prefill of unmatched tokens unfused)
     swap_step: int | None = None            # tokens generated before the exact cache took over (None: never)
     optimistic_tokens: int = 0              # tokens emitted from the optimistic cache
@@ -148,7 +159,6 @@ class OptimisticStats:
     rebase: str = "commit"                  # "commit" or "verify"
     accepted_tokens: int | None = None      # verify: drafts kept (they equal what full prefill gives)
     rejected_tokens: int | None = None      # verify: drafts withdrawn (the first one replaced by the exact choice)
-    first_verified_token_s: float | None = None  # generate() entry -> the first token that will not be withdrawn
     gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
     gate_reason: str | None = None          # "margin" (below gate) or "token" (a decisive token was due)
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
@@ -220,13 +230,15 @@ class OptimisticCache(KVReuseCache):
         prefix with an exact donor is then exact K/V for this prompt as well: the background prefill starts
         after it instead of at 0 (prefix caching, without its risk). Default: no donor is trusted, the exact
         prefill covers the whole prompt.
-    rebase : {"commit", "verify"}, default="commit"
-        What happens to the tokens emitted before the swap (module docstring). "commit": they stay (RebaseKV as
-        published): the lowest time to the first streamed token, but answers may differ from full prefill's
-        (``stats.divergent_tokens``). "verify": they are drafts checked by the exact logits; greedy output equals
-        plain ``generate`` token for token, sampled output follows the exact distribution, and streamers receive
-        verified tokens only (``stats.first_verified_token_s``). :class:`~hf_kvreuse.ReuseSession` uses "verify"
-        by default.
+    rebase : {"verify", "commit"}, default="verify"
+        What happens to the tokens emitted before the swap (module docstring). "verify" (the default everywhere in
+        hf_kvreuse): they are drafts checked by the exact logits; the output equals plain ``generate``'s token for
+        token, greedy or sampled with the same seed (each verified position is sampled from the exact
+        distribution with the global generator, in plain ``generate``'s order; a draft is kept only while it
+        equals that sample), and streamers receive verified tokens only (``stats.ttft_s`` is the first verified
+        token). "commit" (opt-in, approximate): they stay (RebaseKV as published): the lowest time to the first
+        streamed token, but answers may differ from full prefill's (``stats.divergent_tokens``,
+        ``stats.exact_output`` False).
     gate : float, optional
         ``rebase="commit"`` only: stop emitting optimistic tokens at the first step whose top-1 probability margin
         (``p1 - p2`` of the call's processed distribution) is below ``gate``; that step's token then comes from the
@@ -265,7 +277,7 @@ class OptimisticCache(KVReuseCache):
                  background_chunk_tokens: int | None = None, background_threads: int | None = None,
                  on_early_finish: Literal["swap", "cancel"] = "swap", release_donor: bool = False,
                  donor_exact: bool | list = False, verify_donor: bool = True,
-                 rebase: Literal["verify", "commit"] = "commit", gate: float | None = None,
+                 rebase: Literal["verify", "commit"] = "verify", gate: float | None = None,
                  gate_tokens=None, repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
                  repair_tokens: int = 16, fuse_first_step: bool = True):
         from ..generation.mixin import enable
@@ -535,7 +547,9 @@ class OptimisticCache(KVReuseCache):
     def after_forward(self, outputs) -> None:
         self._forwards += 1
         if self._forwards == 1:
-            self.stats.ttft_s = now(self.input_ids.device) - self._t0
+            self.stats.draft_ttft_s = now(self.input_ids.device) - self._t0
+            if self.rebase == "commit" or self._swapped:  # under verify the caller sees verified tokens only
+                self.stats.ttft_s = self.stats.draft_ttft_s
         if self._replay is not None:
             self._count_divergence(outputs.logits[0, :-1], self._replay)
             self._replay = None
@@ -634,18 +648,21 @@ class OptimisticCache(KVReuseCache):
                      streamer=_VerifiedOnly(user_streamer, self) if user_streamer is not None else None,
                      stopping_criteria=StoppingCriteriaList(list(kwargs.get("stopping_criteria") or []) +
                                                             [draft_stop]))
+        # sampled drafts draw from the global generator; verification draws again from the state before them,
+        # so the output is a function of the caller's seed alone (not of when the exact cache was ready)
+        rng = _RngState(self.input_ids.device)
         out = model._stock_generate(**first)
         criteria = StoppingCriteriaList([c for c in self._stopping_criteria if c is not draft_stop])
         if self._swapped:  # the exact cache was ready before the first token: plain generate ran
-            self.stats.first_verified_token_s = self.stats.ttft_s
-            self.stats.accepted_tokens = self.stats.rejected_tokens = 0
+            self.stats.accepted_tokens = self.stats.rejected_tokens = self.stats.drafted_tokens = 0
             if user_streamer is not None:
                 user_streamer.end()
             return self._as_requested(out, want)
+        rng.restore()
         seq, exact_scores, exact_logits, done = self._verify(out, criteria)
         if user_streamer is not None:
-            for tok in seq[0, self.input_ids.shape[1]:]:
-                user_streamer.put(tok.reshape(1).cpu())
+            for tok in seq[0, self.input_ids.shape[1]:].cpu():  # one copy to the host, not one per token
+                user_streamer.put(tok.reshape(1))
         if not done:  # continue from the exact cache (it holds every row but the last token's)
             self._continuing_parts = (self.logits_processor, criteria)
             rest = dict(kwargs, inputs=seq, input_ids=None, attention_mask=torch.ones_like(seq),
@@ -674,6 +691,12 @@ class OptimisticCache(KVReuseCache):
     def _verify(self, out, criteria: StoppingCriteriaList):
         """Swap in the exact cache, replay the drafts, keep the verified ones and choose the next token.
 
+        Every verified position's token is chosen as plain ``generate`` chooses it from the exact scores: the argmax
+        (greedy) or one ``torch.multinomial`` draw from the global generator, in order (sampling; the generator
+        was put back to its state before the drafts). A draft is kept while it equals that choice; the first
+        other choice is the next token. The output is then plain ``generate``'s with the same seed, token for token,
+        whatever the number of drafts.
+
         Returns ``(sequence, scores, logits, done)``: the verified sequence (drafts kept plus the exact model's next
         token, unless the kept drafts already end the generation), the processed scores and raw logits of its
         generated tokens as plain ``generate`` records them, and whether a stopping rule ends the generation."""
@@ -681,18 +704,19 @@ class OptimisticCache(KVReuseCache):
         seq = out.sequences
         g = seq.shape[1] - n
         self._take_exact()
-        self.stats.swap_step = self.stats.optimistic_tokens = g
+        self.stats.swap_step = self.stats.optimistic_tokens = self.stats.drafted_tokens = g
         pos = torch.arange(n - 1, n + g, device=seq.device)[None]
         logits = self.model(input_ids=seq[:, n - 1:], position_ids=pos, use_cache=True, logits_to_keep=0,
                             **cache_kwargs(self)).logits[0].float()      # [g + 1, V]: row i scores token n + i
         scores = self.process_logits(seq, logits, n)
         drafts = seq[0, n:].to(scores.device)
         self._count_divergence(logits[:g], seq)
-        if getattr(self.generation_config, "do_sample", False):
-            j, nxt = speculative_accept(scores, torch.stack(out.scores).float()[:, 0].to(scores.device), drafts)
+        sample = bool(getattr(self.generation_config, "do_sample", False))
+        if sample:
+            j, nxt = sample_accept(scores, drafts)
         else:
             choice = scores.argmax(-1)
-            j = int((choice[:g] == drafts).long().cumprod(0).sum())
+            j = int((choice[:g] == drafts).long().cumprod(0).sum())  # the one host sync of the verification
             nxt = choice[j]
         self.stats.accepted_tokens, self.stats.rejected_tokens = j, g - j
         drop = self.physical_length() - (n + j)
@@ -704,12 +728,14 @@ class OptimisticCache(KVReuseCache):
             # the drafts end the generation (EOS, length, stop string); as after plain generate, the cache holds
             # every token but the last (never fed)
             DynamicCache.crop(self, -1)
-            self.stats.first_verified_token_s = now(self.input_ids.device) - self._t0
+            self.stats.ttft_s = now(self.input_ids.device) - self._t0
             return seq, rows[0], rows[1], True
+        if sample and j == g:  # every draft kept and the generation goes on: plain generate draws the next one
+            nxt = _draw(scores[g: g + 1])
         seq = torch.cat([kept, nxt.reshape(1, 1).to(seq.device)], 1)
         rows[0].append(scores[j: j + 1])
         rows[1].append(logits[j: j + 1])
-        self.stats.first_verified_token_s = now(self.input_ids.device) - self._t0
+        self.stats.ttft_s = now(self.input_ids.device) - self._t0
         return seq, rows[0], rows[1], bool(criteria(seq, scores[j: j + 1]).all())
 
     @staticmethod
@@ -726,7 +752,38 @@ class OptimisticCache(KVReuseCache):
         """Called by the mixin with the stopping criteria generate built (the drafting call's, kept for the
         verification and the continuation: max length counted from the original prompt)."""
         if getattr(self, "_continuing_parts", None) is None:
+            if self._replays_drafts():
+                self._refuse_stateful([c for c in criteria if not isinstance(c, _DraftStop)], "stopping criteria")
             self._stopping_criteria = criteria
+
+    def set_logits_processor(self, processors, generation_config) -> None:
+        """The call's logits processors: under ``"verify"`` (or a gate) they are applied again to replayed rows, so
+        each must be a pure function of its inputs (:func:`hf_kvreuse.generation.options.stateful_steps`);
+        otherwise the call is refused before its first token. Under ``"commit"`` without a gate only the divergence
+        count replays them: it is skipped (``divergent_tokens`` None)."""
+        from ..generation.options import stateful_steps
+
+        super().set_logits_processor(processors, generation_config)
+        if self._replays_drafts() or self.gate is not None or self._gate_tokens is not None:
+            self._refuse_stateful(processors, "logits processors")
+        elif stateful_steps(processors):
+            self.record_divergence = False
+
+    def _replays_drafts(self) -> bool:
+        return self.rebase == "verify" and self.max_optimistic_tokens != 0
+
+    def _refuse_stateful(self, steps, what: str) -> None:
+        from ..generation.options import stateful_steps
+
+        names = stateful_steps(steps)
+        if names:
+            mode = "rebase='verify'" if self._replays_drafts() else "a gate"
+            raise ValueError(
+                f"OptimisticCache({mode}) runs the call's {what} again on replayed draft rows, and {', '.join(names)} "
+                "keep(s) state across calls (classifier-free guidance with guidance_scale, for one, runs its own model "
+                "and cache): the answer would differ from plain generate's. Use ReuseSession (policy 'auto' or "
+                "'prefix': exact prefix reuse), or max_optimistic_tokens=0; a processor of your own that is a pure "
+                "function of (input_ids, scores) may declare hf_kvreuse_stateless = True")
 
     def continuing_parts(self):
         """(logits processors, stopping criteria) the continuing generate must reuse, or None."""
@@ -760,6 +817,8 @@ class OptimisticCache(KVReuseCache):
                 self._count_divergence(out.logits[0], sequences)
             self._replay = None
         finally:
+            # the answer is plain generate's: verified drafts, or no token emitted from the optimistic cache
+            self.stats.exact_output = error is None and (self.rebase == "verify" or not self.stats.optimistic_tokens)
             if self.release_donor:
                 for cache in self.donor_caches:
                     release_kv(cache)
@@ -777,29 +836,52 @@ class OptimisticCache(KVReuseCache):
                 ThreadBudget.release()
 
 
-def speculative_accept(p_scores: torch.Tensor, q_scores: torch.Tensor, drafts: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
-    """The speculative-sampling rule (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
+def _draw(scores: torch.Tensor) -> torch.Tensor:
+    """One token from ``scores`` ``[1, V]`` exactly as transformers' sampling step draws it (softmax, then
+    ``torch.multinomial(probs, 1)`` from the global generator)."""
+    return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1)[0, 0]
 
-    ``p_scores`` ``[g + 1, V]``: the target's processed scores of the ``g`` draft positions and the one after;
-    ``q_scores`` ``[g, V]``: the scores each draft was sampled from; ``drafts`` ``[g]``. Draft ``i`` is kept with
-    probability ``min(1, p_i(t_i) / q_i(t_i))``; at the first rejection the next token is drawn from
-    ``max(0, p_i - q_i)`` normalised, and if every draft is kept, from ``p_g``. Returns ``(kept, next token)``;
-    the tokens so produced follow ``p`` exactly.
+
+def sample_accept(scores: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Seeded verification of sampled drafts: ``scores`` ``[g + 1, V]`` are the exact processed scores of the ``g``
+    draft positions and the one after, ``drafts`` ``[g]``.
+
+    Position ``i`` is sampled from ``scores[i]`` with the global generator, in order, as plain ``generate`` samples
+    it; draft ``i`` is kept while it equals that sample. Returns ``(kept, next token)``: the first sample that
+    differs from its draft, or, when every draft is kept, the draw for position ``g`` is left to the caller (it
+    must not be drawn when the drafts end the generation), and ``next token`` is a placeholder. The generator
+    is left exactly as plain ``generate`` leaves it after ``kept + 1`` draws (``kept`` when all are kept).
+
+    Unlike the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023), which also follows the exact
+    distribution but draws other random numbers, the tokens are the same function of the seed as plain
+    ``generate``'s. The samples are drawn without a host sync each; one sync finds the first mismatch, and the
+    generator is then rewound and advanced by the draws actually used.
     """
-    p = p_scores.float().softmax(-1)
-    q = q_scores.float().softmax(-1)
     g = drafts.numel()
-    for i in range(g):
-        t = int(drafts[i])
-        u = torch.rand((), generator=generator, device=p.device)
-        if float(u) < min(1.0, float(p[i, t] / q[i, t].clamp_min(1e-30))):
-            continue
-        resid = (p[i] - q[i]).clamp_min(0)
-        total = float(resid.sum())
-        nxt = torch.multinomial(resid / total if total > 0 else p[i], 1, generator=generator)[0]
-        return i, nxt
-    return g, torch.multinomial(p[g], 1, generator=generator)[0]
+    state = _RngState(scores.device)
+    samples = torch.stack([_draw(scores[i: i + 1]) for i in range(g)]) if g else drafts
+    same = (samples == drafts).long().cumprod(0)
+    j = int(same.sum())  # the one host sync
+    if j == g:
+        return g, drafts[-1] if g else scores.new_zeros((), dtype=torch.long)
+    state.restore()  # rewind, then draw exactly the j + 1 samples plain generate draws up to the mismatch
+    for i in range(j):
+        _draw(scores[i: i + 1])
+    return j, _draw(scores[j: j + 1])
+
+
+class _RngState:
+    """The global generator's state of ``device`` (and the CPU's), to draw again from the same point."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
 
 
 class _DraftStop(StoppingCriteria):

@@ -39,3 +39,55 @@ def call_options(model, generate_kwargs: dict) -> CallOptions:
     use_cache = generate_kwargs.get("use_cache", getattr(cfg, "use_cache", True))
     return CallOptions(config=cfg, mode=mode, use_cache=bool(True if use_cache is None else use_cache),
                        sequences=max(beams, ret))
+
+
+#: transformers' logits processors / warpers and stopping criteria that are pure functions of ``(input_ids,
+#: scores)``: applying one again to a replayed row gives what it gave the first time and changes nothing for the
+#: next call (audited on transformers 4.57.1, 5.0, 5.17 and 5.24: their ``__call__`` only caches device copies of
+#: constructor arguments or bias tables built from them). Not in it, because they keep state across calls: the
+#: classifier-free-guidance processors (``guidance_scale``: their own model calls and cache), SynthID
+#: watermarking (a per-call context state), Whisper's no-speech detection, Dia's EOS delay pattern, Bark's and
+#: MusicGen's codebook processors; and every processor or criterion defined outside transformers (unknown).
+STATELESS_STEPS = frozenset({
+    "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "TemperatureLogitsWarper",
+    "RepetitionPenaltyLogitsProcessor", "TopPLogitsWarper", "TopKLogitsWarper", "TopHLogitsWarper",
+    "MinPLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper",
+    "NoRepeatNGramLogitsProcessor", "SequenceBiasLogitsProcessor", "NoBadWordsLogitsProcessor",
+    "PrefixConstrainedLogitsProcessor", "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor",
+    "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty", "LogitNormalization",
+    "SuppressTokensAtBeginLogitsProcessor", "SuppressTokensLogitsProcessor", "WatermarkLogitsProcessor",
+    "MaxLengthCriteria", "MaxNewTokensCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria",
+    "ConfidenceCriteria",
+})
+
+
+def _is_stateless(step) -> bool:
+    cls = type(step)
+    return (cls.__name__ in STATELESS_STEPS and cls.__module__.startswith("transformers.")) or bool(
+        getattr(step, "hf_kvreuse_stateless", False))
+
+
+def stateful_steps(steps) -> list[str]:
+    """Class names of the logits processors / stopping criteria in ``steps`` that are not known to be pure functions
+    of their inputs (:data:`STATELESS_STEPS`): a cache that replays rows through them (draft verification,
+    divergence counts) would call them more than once per emitted token and change what they do next. A
+    processor of your own that is such a pure function may say so with the attribute
+    ``hf_kvreuse_stateless = True``."""
+    return [type(s).__name__ for s in (steps or []) if not _is_stateless(s)]
+
+
+def replay_unsafe_call(options: CallOptions, generate_kwargs: dict) -> str | None:
+    """Why a call's logits processors or stopping criteria must run exactly once per emitted token (so drafts
+    cannot be verified by replay), predicted before ``generate`` builds them; None when nothing in the call keeps
+    state."""
+    cfg = options.config
+    scale = getattr(cfg, "guidance_scale", None)
+    if scale is not None and scale != 1:
+        return f"guidance_scale={scale} (classifier-free guidance runs its own model calls and keeps their cache)"
+    if getattr(cfg, "watermarking_config", None) is not None:
+        return "watermarking_config (a watermarking processor may keep state across steps)"
+    names = stateful_steps(generate_kwargs.get("logits_processor")) + stateful_steps(
+        generate_kwargs.get("stopping_criteria"))
+    if names:
+        return f"{', '.join(names)} (not known to be a pure function of the ids and scores)"
+    return None

@@ -311,7 +311,7 @@ def _check_optimistic(model):
     ids_a, ids_b = agent_prompts()
     donor = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     make = lambda **kw: OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(donor),  # noqa: E731
-                                        donor_ids=donor.sequences, **kw)
+                                        donor_ids=donor.sequences, **{"rebase": "commit", **kw})
     yield make(max_optimistic_tokens=0)  # construction: a refusal stops here
     _assert_same_generation(model, ids_b, make(max_optimistic_tokens=0), "OptimisticCache(max_optimistic_tokens=0)")
     cache = make(max_optimistic_tokens=None, on_early_finish="cancel")
