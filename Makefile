@@ -10,8 +10,16 @@ $(VENV)/.installed: setup.py
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev,bench]"
 	touch $@
 
-.PHONY: install demo test fuzz test-bench-smoke test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
+.PHONY: install docs demo test fuzz test-bench-smoke test-fast test-vllm test-matrix bench bench-base-lr bench-gpu bench-translated bench-latent
 install: $(VENV)/.installed
+
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: broken links and missing API objects fail
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 demo: install
 	$(PY) examples/demo.py

@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="hf_kvreuse",
-    version="0.1.0",
+    version="0.2.0",
     description="KV-cache reuse beyond exact prefix caching for multi-agent / multi-model pipelines, "
                 "as drop-in HuggingFace transformers caches",
     long_description=open("README.md", encoding="utf-8").read(),
@@ -33,6 +33,8 @@ setup(
         "dev": ["pytest>=8", "hypothesis>=6.100", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6",
                 "triton==3.9.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7"],
+        # the documentation site (make docs): mkdocs-material + mkdocstrings-python, built with --strict
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         "triton": ["triton==3.9.0; platform_system == 'Linux'"],
         # hf_kvreuse.vllm (the KV connector): vLLM's CPU build, the version the connector is tested on
         # (tests_vllm/, `make test-vllm`); importing hf_kvreuse never imports vllm

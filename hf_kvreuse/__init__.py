@@ -31,7 +31,7 @@ _register_pipeline()
 # model.generate(ids, cache=SomeCache(model, ...)) on a model that was never enabled: see generation/mixin.py
 install_routing()
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "KVReuseCache", "OptimisticCache", "OptimisticStats",

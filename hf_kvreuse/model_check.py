@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .rope import ROPE_LAYOUTS, UnsupportedRopeError, check_rope_supported, find_rotary_embedding
+from .rotary import ROPE_LAYOUTS, RotaryShifter, UnsupportedRopeError, check_rope_supported, find_rotary_embedding
 
 PROBE_TOKENS = 8
 PROBE_SHIFT = 37
@@ -145,8 +145,6 @@ def _forward_kv(model, ids, starts: tuple[int, ...]):
 
 
 def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
-    from .rope import RopeShifter
-
     try:
         check_rope_supported(model)
         rot = find_rotary_embedding(model)
@@ -155,7 +153,7 @@ def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
         return
     errors = {}
     for layout in ROPE_LAYOUTS:
-        shifter = RopeShifter(rot, layout=layout)
+        shifter = RotaryShifter(rot, layout=layout)
         errors[layout] = _rel(shifter.shift(kv0[0][0], PROBE_SHIFT), kv1[0][0])
     layout = min(errors, key=errors.get)
     report.extra["layout_errors"] = errors
@@ -165,7 +163,7 @@ def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
                               f"interleaved RoPE layout of the model's own forward (layer-0 key error "
                               + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()) + ")")
         return
-    shifter = RopeShifter(rot, layout=layout)
+    shifter = RotaryShifter(rot, layout=layout)
     pairs = []
     for (k0, v0), (k1, v1) in zip(kv0, kv1):
         pairs += [(shifter.shift(k0, PROBE_SHIFT), k1), (v0, v1)]

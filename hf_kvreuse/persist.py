@@ -49,6 +49,7 @@ import torch
 from . import safe_files
 from .devices import place_kv
 from .kv import KV
+from .session_entry import _Entry, _storage_bytes
 
 FORMAT_SESSION = "hf_kvreuse.session"
 FORMAT_CHUNK = "hf_kvreuse.chunk"
@@ -258,8 +259,6 @@ def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, l
     """The inverse of :func:`entry_to_record`, with the K/V checked against ``layout`` and moved to the model's
     devices. ``windows``: each layer's sliding window (None: full attention); such a layer holds the last
     ``window - 1`` rows, as the session keeps them."""
-    from .session import _storage_bytes
-
     if "ids" not in tensors:
         raise PersistedKVError(f"{where}: no 'ids' tensor")
     ids = tensors["ids"].long().reshape(-1)
@@ -318,7 +317,7 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
     if getattr(session, "_trajectory", None) is not None:
         raise NotImplementedError("the base_lr policy's BaseLRCache trajectory cannot be saved yet (only the caches "
                                   "of the other policies are)")
-    import hf_kvreuse
+    from .version import __version__
 
     identity = _model_identity(session.model)
     # the held caches' lock (a running call stores under it); held K/V are never written in place, so the files can
@@ -339,7 +338,7 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
             tensors, meta = entry_to_record(e)
             name, sha, size = _write_tensors(folder, tensors, "kv-")
             records.append(dict(file=name, sha256=sha, bytes=size, tokens=int(e.ids.numel()), fields=meta))
-        manifest = dict(format=FORMAT_SESSION, version=VERSION, library=hf_kvreuse.__version__,
+        manifest = dict(format=FORMAT_SESSION, version=VERSION, library=__version__,
                         saved_at=time.time(), model=identity, session=options, entries=records)
         _atomic_json(folder / "manifest.json", manifest)
         _prune(folder, "kv-*.safetensors", {r["file"] for r in records}, prune_after_s)
@@ -396,11 +395,14 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
     ``method_kwargs`` are merged with the saved ones: those that were not JSON (a tokenizer, a source model) must be
     given again, and a value that differs from a saved one is refused (``ValueError``).
     When the saved caches exceed ``max_bytes``, the most recently used ones that fit are kept.
+    ``session_cls``: the class to build (:meth:`ReuseSession.load <hf_kvreuse.ReuseSession.load>` passes itself;
+    this module imports no session).
     """
-    from .session import ReuseSession, _Entry
-
+    if session_cls is None:
+        raise TypeError("load_session needs the session class to build: call ReuseSession.load(path, model), or "
+                        "pass session_cls=ReuseSession")
     folder = Path(path)
-    cls = session_cls or ReuseSession
+    cls = session_cls
     session = None
     for attempt in range(retries):
         manifest = _read_manifest(folder)

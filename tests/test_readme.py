@@ -39,8 +39,9 @@ class Block:
     skip: str | None   # the not-run reason
 
 
-def blocks(text: str | None = None) -> list[Block]:
-    """The fenced python / bash / sh blocks of the README, with the not-run marker of each."""
+def blocks(text: str | None = None, name: str = "README.md") -> list[Block]:
+    """The fenced python / bash / sh blocks of the README (or of ``text``, a Markdown page called ``name`` in
+    errors), with the not-run marker of each. ``tests/test_docs.py`` applies the same checks to the site's pages."""
     lines = (text if text is not None else README.read_text()).splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -53,7 +54,7 @@ def blocks(text: str | None = None) -> list[Block]:
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
         if end == len(lines):
-            raise ValueError(f"README.md:{i + 1}: unterminated ``` block")
+            raise ValueError(f"{name}:{i + 1}: unterminated ``` block")
         prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         skip = NOT_RUN.match(prev)
         if lang in ("python", "bash", "sh"):
@@ -177,15 +178,20 @@ def test_not_run_blocks_are_self_contained():
     """Each not-run python block compiles, imports only what exists and defines every name it reads (so it runs as
     written where its model is at hand); each not-run bash block calls ``hf-kvreuse`` only with options its
     sub-command has."""
+    check_not_run_blocks(blocks(), "README.md")
+
+
+def check_not_run_blocks(found: list[Block], name: str) -> None:
+    """The static checks of the not-run blocks of one Markdown file (see the test above)."""
     from hf_kvreuse import cli
 
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    for b in (b for b in blocks() if b.skip):
+    for b in (b for b in found if b.skip):
         if b.lang == "python":
-            compile(b.code, f"README.md:{b.line}", "exec")
-            assert not _unbound_names(b.code), f"README.md:{b.line} reads undefined {_unbound_names(b.code)}"
-            assert not _imports_resolve(b.code), f"README.md:{b.line}: {_imports_resolve(b.code)}"
+            compile(b.code, f"{name}:{b.line}", "exec")
+            assert not _unbound_names(b.code), f"{name}:{b.line} reads undefined {_unbound_names(b.code)}"
+            assert not _imports_resolve(b.code), f"{name}:{b.line}: {_imports_resolve(b.code)}"
             continue
         for line in b.code.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
@@ -193,8 +199,8 @@ def test_not_run_blocks_are_self_contained():
                 if w != "hf-kvreuse":
                     continue
                 sub = words[i + 1]
-                assert sub in commands, f"README.md:{b.line}: hf-kvreuse has no command {sub!r}"
+                assert sub in commands, f"{name}:{b.line}: hf-kvreuse has no command {sub!r}"
                 actions = commands[sub]._option_string_actions
                 used = [x.split("=")[0] for x in words[i + 2:] if x.startswith("--")]
                 unknown = [o for o in used if o not in actions]
-                assert not unknown, f"README.md:{b.line}: hf-kvreuse {sub} has no {unknown}"
+                assert not unknown, f"{name}:{b.line}: hf-kvreuse {sub} has no {unknown}"

@@ -160,15 +160,15 @@ def test_gpu_check_script_without_gpu(tmp_path):
 
 
 def test_gate_curve_replays_thresholds_from_verified_drafts():
-    """scripts/gate_curve.py: a verified call whose first wrong draft is at index 2 is clean under a gate that fires
+    """research/optimistic/gate_curve.py: a verified call whose first wrong draft is at index 2 is clean under a gate that fires
     at step 0, 1 or 2 and unclean under one that fires later or never; a gate at the first token adds the background
     prefill to that call's TTFT; a workflow agrees only if every call is clean. Planted bug that fails it: the gate
     step compared with ``<=`` (``wrong > emitted``), which calls a gate firing exactly at the wrong draft unclean."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research" / "optimistic"))
     try:
         import gate_curve
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "research" / "optimistic"))
 
     def call(margins, accepted, rejected, bg=5.0):
         return dict(draft_ttft_s=1.0, stats=dict(method="optimistic", ttft_s=9.0, cache_stats=dict(
@@ -190,15 +190,15 @@ def test_gate_curve_replays_thresholds_from_verified_drafts():
 
 
 def test_gate_curve_replays_the_gate_on_a_repaired_cache_over_calls_with_full_prompts():
-    """scripts/gate_curve.py --repaired: the gate replayed on an ungated commit run's cache (``first_divergence``
+    """research/optimistic/gate_curve.py --repaired: the gate replayed on an ungated commit run's cache (``first_divergence``
     against the gated step) beside the plain optimistic cache's verified drafts, over the calls whose prompt is full
     prefill's in both runs (a call after a reply that differs from full prefill's is left out). Planted bug that
     fails it: no stop after a differing reply (the third call, whose prompt differs, counted)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research" / "optimistic"))
     try:
         import gate_curve
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "research" / "optimistic"))
 
     def turn(answer, **c):
         return dict(answer=answer, stats=dict(cache_stats=c or None, ttft_s=1.0))
@@ -225,19 +225,19 @@ def test_gate_curve_replays_the_gate_on_a_repaired_cache_over_calls_with_full_pr
 
 
 def test_gate_probe_registers_thresholds_and_gate_curve_reports_them():
-    """scripts/gate_probe.py registers ``auto-commit-gate<t>`` as commit mode with ``gate=t`` and
+    """research/optimistic/gate_probe.py registers ``auto-commit-gate<t>`` as commit mode with ``gate=t`` and
     ``auto-commit-gate<t>-blend<r>`` / ``-epic<k>`` with that repair too (other names left alone, a threshold or
-    ratio outside (0, 1] and a fractional row count refused) and scripts/gate_curve.py's measured rows include every
+    ratio outside (0, 1] and a fractional row count refused) and research/optimistic/gate_curve.py's measured rows include every
     such run and prefix. Planted bugs that fail it: the threshold parsed as an int (``gate=0`` for ``0.2``); the
     repair suffix parsed but not passed on (a gate-only mode); the ``-unfused`` suffix parsed but not passed on."""
     from hf_kvreuse import session
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research" / "optimistic"))
     try:
         import gate_curve
         import gate_probe
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "research" / "optimistic"))
     try:
         assert gate_probe.register("full,prefix,auto-commit-gate0.2,auto-commit-gate.35") == [
             "auto-commit-gate0.2", "auto-commit-gate.35"]
@@ -365,7 +365,7 @@ def test_bench_table_ttft_against_pairs_calls_by_question_and_turn():
 
 
 def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(tmp_path):
-    """scripts/assembly_profile.py on a tiny model, both modes: every call computes the 25 new rows (two forwards:
+    """research/performance/assembly_profile.py on a tiny model, both modes: every call computes the 25 new rows (two forwards:
     24 in the assembly, the last fed by generate; fused: all in the first step), the timed ``partial_forward`` is
     part of the assembly only in the first mode, and the library's
     ``partial_forward`` is the original again afterwards. Planted bug that fails it: the timing wrapper left
@@ -373,11 +373,11 @@ def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(
     import hf_kvreuse.cache_classes.optimistic as optimistic
     import hf_kvreuse.generation.fused as fused
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research" / "performance"))
     try:
         import assembly_profile
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "research" / "performance"))
     original = optimistic.partial_forward
     out = tmp_path / "p.json"
     assembly_profile.main(["--model", "tiny", "--reps", "2", "--out", str(out)])
@@ -396,12 +396,12 @@ def test_assembly_profile_times_the_unmatched_rows_and_restores_partial_forward(
 
 
 def test_latent_ablation_table_pairs_by_dev_example(tmp_path, capsys):
-    """scripts/latent_ablation_table.py --paired-against: held-out rows are matched by (family, record, direction),
+    """research/latent/latent_ablation_table.py --paired-against: held-out rows are matched by (family, record, direction),
     training-family rows are left out of the difference; two runs over the same sequence of examples (a dev folder
     of two seeds: keys repeat) pair row by row. Planted bugs that fail it: pairing by row order always (the
     reference's rows reversed then give the same mean difference with another interval); pairing by key always
     (the repeated keys collapse: n=10, not 20)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research" / "latent"))
     try:
         import latent_ablation_table
     finally:
@@ -481,11 +481,11 @@ def test_gpu_table_reads_a_gpu_check():
 
 
 def test_latent_rows_probe_table_scores_selections_against_full_prefill():
-    """scripts/latent_rows_probe.py --table: accuracy counts an example only where full prefill is right and the
+    """research/latent/latent_rows_probe.py --table: accuracy counts an example only where full prefill is right and the
     selection agrees with it; "recovered" is against direct reuse's accuracy on the same examples; the paired
     difference is against tail16 by example. Planted bug that fails it: accuracy from ``agree`` alone (the
     examples full prefill gets wrong counted too)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research" / "latent"))
     try:
         import latent_rows_probe
     finally:

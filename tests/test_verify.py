@@ -433,7 +433,7 @@ def test_gate_tokens_errors(llama):
 def test_draft_margins_are_each_optimistic_steps_margin(llama, held):
     """``stats.draft_margins`` holds, for every step decided from the optimistic cache, the top-1 minus top-2
     probability of the scores generate chose from (commit), and one margin per draft under verify: what
-    scripts/gate_curve.py reads to replay any gate threshold offline.
+    research/optimistic/gate_curve.py reads to replay any gate threshold offline.
 
     Planted bug that fails it: ``after_forward`` records the top-1 probability instead of top-1 minus top-2."""
     ids_a, ids_b = _agents()

@@ -32,7 +32,8 @@ from ..reprs import stats_repr
 from ..rope import RopeShifter
 from ..timing import now
 from ..translation.mapper import KVMapper, run_source
-from ..translation.scorers import Scorer, make_scorer
+from ..translation.scorers import Scorer
+from ..translation.selection import make_scorer
 from .base import KVReuseCache
 
 

@@ -4,7 +4,7 @@ A cache that computes some prompt rows when it assembles (OptimisticCache's unma
 reused blocks of a block cache, the rows a method repairs) and then lets ``generate`` run its one-token decode step
 pays two passes over the model's weights before the first token. On a small model the second pass is most of a
 decode step's cost (Qwen2.5-0.5B, float32, one CPU thread: ~0.2 s against ~0.6 s for 25 rows;
-``scripts/assembly_profile.py``). Here the cache leaves those rows uncomputed and the first forward of ``generate``
+``research/performance/assembly_profile.py``). Here the cache leaves those rows uncomputed and the first forward of ``generate``
 runs one :func:`~hf_kvreuse.generation.partial.partial_forward` over them and the last prompt token: the same
 position mask (each row sees every column at a position not after its own), so the same K/V and logits up to float
 rounding, for one pass over the weights less.

@@ -18,7 +18,7 @@ raises if a layer of the range did not store its rows exactly once.
 Attention of the selected rows (:mod:`hf_kvreuse.generation.selected`): under the ``triton`` backend a kernel
 that builds the position mask per tile and skips the columns no row of a tile can see; on torch for ``sdpa``
 models SDPA per block of rows over only the columns the block can see (measured faster than one call with the
-full mask: ``scripts/selected_attention_cpu.py``); otherwise the explicit mask below. On the first two paths the
+full mask: ``research/performance/selected_attention_cpu.py``); otherwise the explicit mask below. On the first two paths the
 ``[R, N]`` mask is never built unless a layer falls back to the model's own attention (then once per forward): at
 32k tokens with 16k recomputed rows it is ~2 GB of transient memory.
 """

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..chunk_store import ChunkStore
 from ..kv import KV
 from .bridge import LatentBridge
-from .data import Example
+from .example import Example
 
 
 def build_example(model, tok, record, src: str, tgt: str, n_answer: int, top_k: int, bridge_layer: int,
@@ -251,7 +251,7 @@ class TrainConfig:
 
 def _cpu() -> float:
     # this thread's CPU seconds: with one intra-op thread the work runs in the calling thread, and several runs
-    # may share a process (scripts/latent_ablations_threads.py)
+    # may share a process (research/latent/latent_ablations_threads.py)
     return time.thread_time()
 
 
@@ -502,8 +502,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(argv, model=None, loaded: dict | None = None) -> dict:
     """One training command (see :func:`main`); ``model`` and ``loaded`` (data folder -> examples) may be shared
-    by several runs in one process (``scripts/latent_ablations_threads.py``: one model copy in memory)."""
-    from .data import load_examples
+    by several runs in one process (``research/latent/latent_ablations_threads.py``: one model copy in memory)."""
+    from .example import load_examples
 
     a = _parser().parse_args(argv)
     cfg = TrainConfig(**{f.name: (tuple(getattr(a, f.name)) if f.name == "layers" else getattr(a, f.name))

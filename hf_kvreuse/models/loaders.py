@@ -163,7 +163,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def native_cpu_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Without it, torch's CPU bf16 matmul is
     far slower than float32: 8.4 vs 39.5 GFLOP/s at one thread on the project's AVX2 EPYC with torch 2.13 (a
-    1100 x 896 x 4864 linear, ``scripts/cpu_dtype_speed.py``), so a bf16 Qwen prefill there takes several times a
+    1100 x 896 x 4864 linear, ``research/performance/cpu_dtype_speed.py``), so a bf16 Qwen prefill there takes several times a
     float32 one."""
     probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(bool(f()) for f in probes if f is not None)

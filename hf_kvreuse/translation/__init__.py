@@ -6,8 +6,9 @@ from .mapper import (INPUT_KINDS, KVMapper, MapperConfig, MapperMismatchError, M
 from .moments import BlockLayout, BlockMoments
 from .question import QuestionAttentionScorer, QuestionWordScorer, attention_probe
 from .residual import ResidualConfig, apply_residual, fit_residuals, train_residual
-from .scorers import (SCORERS, CombinedScorer, FirstLayerDeviationScorer, OracleScorer, RandomScorer,
-                      RankDisagreementScorer, Scorer, make_scorer)
+from .scorers import (CombinedScorer, FirstLayerDeviationScorer, OracleScorer, RandomScorer, RankDisagreementScorer,
+                      Scorer)
+from .selection import SCORERS, make_scorer
 
 __all__ = ["KVMapper", "MapperConfig", "MapperMismatchError", "MapperStats", "PairGeometry", "model_identity",
            "run_source", "INPUT_KINDS", "ResidualConfig", "fit_residuals", "train_residual", "apply_residual",

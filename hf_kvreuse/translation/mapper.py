@@ -29,7 +29,6 @@ weights is another pair).
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import json
 import os
@@ -40,9 +39,9 @@ from typing import Iterable
 
 import torch
 
-from ..devices import input_device
-from ..kv import KV, kv_of
+from ..kv import KV
 from ..rope import RopeShifter
+from .features import _r2, _run_features, content_features, flat_features, gather, ridge_solve, run_source  # noqa: F401
 from .moments import depth_band
 from .residual import apply_residual
 
@@ -112,24 +111,6 @@ def model_identity(model) -> dict:
 def _describe(ident: dict) -> str:
     return (f"{ident.get('class')} ({ident.get('model_type')}, {ident.get('num_hidden_layers')} layers, hidden "
             f"{ident.get('hidden_size')}, weights {ident.get('weights')})")
-
-
-def content_features(kv: KV, shifter: RopeShifter, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(K~, V)`` as ``[T, H*D]`` float32: keys rotated back to position 0 (RoPE stripped)."""
-    out = []
-    neg = -positions
-    tables = {}  # one cos/sin table per device (a source split over devices)
-    for k, v in kv:
-        if k.device not in tables:
-            tables[k.device] = shifter.cos_sin(neg, k.device)
-        kc = shifter.shift(k.float(), None, tables[k.device])
-        out.append((kc[0].transpose(0, 1).reshape(k.shape[-2], -1), v[0].float().transpose(0, 1).reshape(v.shape[-2], -1)))
-    return out
-
-
-def flat_features(feats: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``[T, L * 2 * H*D]``: layer-major, keys then values (the layout of :class:`MapperStats`)."""
-    return torch.cat([t for kv in feats for t in kv], dim=-1)
 
 
 class MapperStats:
@@ -205,21 +186,6 @@ class LayerMap:
         return bk + [b for b in self.blocks("v") if b not in bk]
 
 
-def gather(blocks: list[tuple[str, int]], feats: list[tuple[torch.Tensor, torch.Tensor]],
-           hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """Concatenate source feature blocks ``[T, F]``: ``("k", s)`` / ``("v", s)`` from the content K/V ``feats``,
-    ``("h", s)`` from the normalised hidden states ``hidden`` (:func:`run_source`)."""
-    parts = []
-    for kind, s in blocks:
-        if kind == "h":
-            if hidden is None or s not in hidden:
-                raise ValueError(f"this map reads the source's hidden state entering layer {s}; it was not given")
-            parts.append(hidden[s].float().to(feats[0][0].device))
-        else:
-            parts.append(feats[s][0 if kind == "k" else 1])
-    return torch.cat(parts, dim=-1)
-
-
 def _layer_map(sources: list[int], parts: dict, g: PairGeometry, inputs_k=None, inputs_v=None) -> LayerMap:
     """A LayerMap from solved ``parts[name] = (w, b, C_xx of its inputs, mean_y)`` (float64), with the mapped-output
     statistics the rank scorer reads: per target head the mean, the eigenbasis of ``W^T C_xx W`` and the right
@@ -242,30 +208,6 @@ def _layer_map(sources: list[int], parts: dict, g: PairGeometry, inputs_k=None, 
         lm.cov_vecs[name], lm.cov_vals[name] = torch.stack(cov_vecs).float(), torch.stack(cov_vals).float()
         lm.svd_vecs[name], lm.svd_vals[name] = torch.stack(svd_vecs).float(), torch.stack(svd_vals).float()
     return lm
-
-
-def ridge_solve(cxx: torch.Tensor, cxy: torch.Tensor, lam: float, scaling: str = "mean") -> torch.Tensor:
-    """Ridge weights from centred moments. ``scaling="mean"``: ``(C + lam * mean(diag C) I)^-1 C_xy`` (the shipped
-    map; one penalty for all inputs); ``"std"``: the same on standardised inputs (each feature penalised relative
-    to its own variance: inputs of very different scales, e.g. K/V beside normalised hidden states)."""
-    eye = torch.eye(len(cxx), dtype=cxx.dtype)
-
-    def spd_solve(a, b):  # a is symmetric positive definite (ridge): Cholesky, LU if rounding broke that
-        chol, info = torch.linalg.cholesky_ex(a)
-        return torch.cholesky_solve(b, chol) if int(info) == 0 else torch.linalg.solve(a, b)
-
-    if scaling == "mean":
-        return spd_solve(cxx + lam * float(cxx.diagonal().mean().clamp_min(1e-12)) * eye, cxy)
-    if scaling != "std":
-        raise ValueError(f"scaling={scaling!r}: choose 'mean' or 'std'")
-    diag = cxx.diagonal()
-    sd = diag.clamp_min(1e-12 * float(diag.max().clamp_min(1e-30))).sqrt()
-    return spd_solve(cxx / torch.outer(sd, sd) + lam * eye, cxy / sd[:, None]) / sd[:, None]
-
-
-def _r2(w: torch.Tensor, cxx: torch.Tensor, cxy: torch.Tensor, vy: torch.Tensor) -> float:
-    sst = float(vy.sum().clamp_min(1e-30))
-    return 1.0 - (sst - 2 * float((w * cxy).sum()) + float((w * (cxx @ w)).sum())) / sst
 
 
 INPUT_KINDS = ("kv", "kv-both", "hidden", "kv+hidden")
@@ -656,58 +598,3 @@ class KVMapper:
         return (f"KVMapper({g.source_layers}x{g.source_heads}x{g.source_dim} -> {g.target_layers}x{g.target_heads}x"
                 f"{g.target_dim}, top_k={len(self.layers[0].sources)}, mean fit R² K "
                 f"{float(self.fit_r2[:, 0].mean()):.3f} / V {float(self.fit_r2[:, 1].mean()):.3f})")
-
-
-@torch.no_grad()
-def run_source(model, ids: torch.Tensor, cache, hidden_layers: Iterable[int] = ()) -> dict[int, torch.Tensor]:
-    """Forward ``ids`` ``[1, T]`` through ``model`` filling ``cache``; return the normalised residual stream that
-    enters each layer of ``hidden_layers`` (the output of its ``input_layernorm``: what its q/k/v projections
-    read), ``{s: [T, hidden] float32}``; ``s = num_hidden_layers`` is the final norm's output. Captured with
-    forward hooks on the norm modules (Llama-family layout), so the model's own forward is what runs; the hooks
-    write only into the sink of the context that registered them (a forward of the same model in another thread
-    while they exist captures nothing and is not changed)."""
-    from ..compat import cache_kwargs
-
-    base = model.model
-    n_layers = len(base.layers)
-    grabbed: dict[int, torch.Tensor] = {}
-
-    def grab(s, out):
-        if _HIDDEN_SINK.get() is grabbed:
-            grabbed[s] = out[0].float()
-
-    hooks = []
-    token = _HIDDEN_SINK.set(grabbed)
-    try:
-        for s in sorted(set(hidden_layers)):
-            if not 0 <= s <= n_layers:
-                raise ValueError(f"hidden layer {s} outside 0..{n_layers} of {type(model).__name__}")
-            mod = base.norm if s == n_layers else base.layers[s].input_layernorm
-            hooks.append(mod.register_forward_hook(lambda m, a, out, s=s: grab(s, out)))
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
-    finally:
-        for h in hooks:
-            h.remove()
-        _HIDDEN_SINK.reset(token)
-    return grabbed
-
-
-#: the hidden-state sink of the run_source call running in this context (its hooks ignore every other context)
-_HIDDEN_SINK: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_source_hidden", default=None)
-
-
-@torch.no_grad()
-def _run_features(model, ids: torch.Tensor, shifter: RopeShifter, hidden_layers=None):
-    """Content K/V per layer (CPU float32); with ``hidden_layers`` (possibly empty) also the normalised hidden
-    states ``{s: [T, hidden]}`` of :func:`run_source`: ``(feats, hidden)``."""
-    from transformers import DynamicCache
-
-    device = input_device(model)
-    ids = ids.to(device)
-    cache = DynamicCache(config=model.config)
-    hidden = run_source(model, ids, cache, hidden_layers or ())
-    feats = content_features(kv_of(cache), shifter, torch.arange(ids.shape[1], device=device))
-    feats = [(k.cpu(), v.cpu()) for k, v in feats]
-    if hidden_layers is None:
-        return feats
-    return feats, {s: h.cpu() for s, h in hidden.items()}

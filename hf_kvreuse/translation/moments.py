@@ -227,7 +227,7 @@ class BlockMoments:
         """``[target_layers, source_layers]``: R² of each target layer's pooled K+V from one source layer's
         pooled K+V (ridge ``lam``, one scale): the ranking that picks each target layer's ``top_k`` source layers.
         Memoised per ``lam`` until more rows are added."""
-        from .mapper import _r2, ridge_solve
+        from .features import _r2, ridge_solve
 
         key = (lam, self.n)
         memo = self.__dict__.setdefault("_r2_memo", {})

@@ -116,7 +116,7 @@ def fit_residuals(mapper, source_model, target_model, calibration_ids: torch.Ten
 
     from ..model_check import require
     from ..rope import RopeShifter
-    from .mapper import _run_features, flat_features, gather
+    from .features import _run_features, flat_features, gather
 
     cfg = config or ResidualConfig()
     if mapper.identity:

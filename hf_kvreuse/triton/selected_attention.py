@@ -25,7 +25,7 @@ sequence. GQA reads each KV head for its group of query heads directly (no ``rep
 ``torch.nn.functional.scaled_dot_product_attention`` call over only the keys the block can see (the same bound),
 with a small boolean mask (none when every key of the range is visible to every row of the block). It skips the
 invisible tail as the kernel does and stays on SDPA's fused CPU kernel; measured in
-``scripts/selected_attention_cpu.py``.
+``research/performance/selected_attention_cpu.py``.
 
 :func:`selected_attention_torch` is the plain reference (float32 softmax) and the oracle of the tests.
 
@@ -132,7 +132,7 @@ class BlockPlan:
         # k calls read (1/2 + 1/(2k)) of the full mask's columns for rows spread evenly, but each call is one
         # parallel region of SDPA's CPU kernel: on a loaded machine a region costs milliseconds of waiting for
         # descheduled threads, so calls stay large (>= 256 rows) and few (<= 8); measured in
-        # scripts/selected_attention_cpu.py
+        # research/performance/selected_attention_cpu.py
         block = block or max(256, -(-self.n_rows // 8))
         ordered = bool((q_pos[1:] >= q_pos[:-1]).all()) if q_pos.numel() > 1 else True
         self.order = None if ordered else torch.argsort(q_pos, stable=True)

@@ -1,0 +1,51 @@
+"""The entry a :class:`~hf_kvreuse.ReuseSession` holds per finished call, and its byte count.
+
+A leaf module shared by :mod:`hf_kvreuse.session` (which holds entries) and :mod:`hf_kvreuse.persist` (which saves
+and loads them), so that neither imports the other's module for the type. The session's reuse follows RebaseKV's
+optimistic alignment over every held cache (see :class:`~hf_kvreuse.OptimisticCache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv import KV
+
+
+@dataclass
+class _Entry:
+    ids: torch.Tensor   # [L] on the CPU: the tokens whose K/V are held
+    kv: KV              # full-attention layers hold L rows; a sliding-window layer the last rows only
+    exact: bool
+    agent: str | None
+    nbytes: int
+    producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
+
+    def prefix_kv(self, p: int, windows: list[int | None]) -> KV | None:
+        """The K/V a cache of the first ``p`` tokens holds, from this entry's rows, or None where a sliding-window
+        layer has already dropped rows that such a cache keeps (``windows``: each layer's window, None: full)."""
+        n = self.ids.numel()
+        out = []
+        for (k, v), w in zip(self.kv, windows):
+            held = k.shape[-2]
+            first = n - held  # the token of this layer's first held row
+            keep = p if w is None else min(p, w - 1)  # a sliding layer keeps its last window - 1 tokens
+            if p > n or p - keep < first:
+                return None
+            a, b = p - keep - first, p - first
+            out.append((k[..., a:b, :], v[..., a:b, :]))
+        return out
+
+
+def _storage_bytes(kv: KV) -> int:
+    """Bytes of the distinct storages behind ``kv`` (a view of a larger buffer counts the whole buffer)."""
+    seen, total = set(), 0
+    for k, v in kv:
+        for t in (k, v):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
