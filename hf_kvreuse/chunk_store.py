@@ -69,7 +69,8 @@ class ChunkStore:
     disk : DiskTier, optional
         A second tier on disk (:class:`hf_kvreuse.persist.DiskTier`, its own byte budget), shared with other
         processes: memory misses are looked up there (verified before use), every chunk put is written there too.
-        ``ChunkStore(max_bytes=1 << 30, disk=DiskTier("kv_chunks", max_bytes=20 << 30))``.
+        ``ChunkStore(max_bytes=1 << 30, disk=DiskTier("kv_chunks", max_bytes=20 << 30))``; a store URL
+        (``disk="redis://host:6379"``) or :class:`hf_kvreuse.stores.tiers.StoreTier` puts the tier on a server.
 
     Attributes
     ----------
@@ -85,6 +86,12 @@ class ChunkStore:
     misses: int = 0
     evictions: int = 0
     disk: "DiskTier | None" = None  # noqa: F821 -- hf_kvreuse.persist.DiskTier
+
+    def __post_init__(self):
+        if isinstance(self.disk, str) and "://" in self.disk:  # a store URL: hf_kvreuse.stores.tiers.StoreTier
+            from .stores.tiers import StoreTier
+
+            self.disk = StoreTier(self.disk)
 
     @property
     def nbytes(self) -> int:

@@ -319,8 +319,16 @@ def _check_identity(saved: dict, model, where: str) -> None:
             "adapters active as when it was saved)")
 
 
-def save_session(session, path, prune_after_s: float = 60.0) -> dict:
+def _is_store(path) -> bool:
+    """A store URL (``redis://...``) or backend rather than a folder: :mod:`hf_kvreuse.stores` handles it."""
+    return (isinstance(path, str) and "://" in path) or not isinstance(path, (str, os.PathLike))
+
+
+def save_session(session, path, prune_after_s: float = 60.0, **store_options) -> dict:
     """Write every cache ``session`` holds to the folder ``path``; returns the manifest written.
+
+    ``path`` may also be a store URL or backend (``"redis://host:6379"``; ``store_options``: ``name``, ``tenant``):
+    :func:`hf_kvreuse.stores.tiers.save_session` writes the session as one entry there.
 
     The folder may already hold a saved session (of this or another process): its manifest is replaced atomically,
     files of the same content are kept, and files no manifest names any more are deleted once older than
@@ -329,11 +337,15 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
     cache) and written after it (calls may run meanwhile). The ``base_lr`` policy's
     trajectory (a :class:`~hf_kvreuse.BaseLRCache`) is not saved.
     """
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     if getattr(session, "_trajectory", None) is not None:
         raise NotImplementedError("the base_lr policy's BaseLRCache trajectory cannot be saved yet (only the caches "
                                   "of the other policies are)")
+    if _is_store(path):
+        from .stores.tiers import save_session as save_to_store
+
+        return save_to_store(session, path, **store_options)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
     import hf_kvreuse
 
     identity = _model_identity(session.model)
@@ -385,10 +397,15 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
 
     ``options`` override the saved session options (``policy``, ``max_bytes``, ``min_span``, ``min_donor_tokens``,
     ``method_kwargs``; method keyword arguments that were not JSON, such as a source model, must be given again).
-    When the saved caches exceed ``max_bytes``, the most recently used ones that fit are kept.
+    When the saved caches exceed ``max_bytes``, the most recently used ones that fit are kept. ``path`` may be a
+    store URL or backend (:func:`hf_kvreuse.stores.tiers.load_session`; ``options`` may add ``name``, ``tenant``).
     """
     from .session import ReuseSession, _Entry
 
+    if _is_store(path):
+        from .stores.tiers import load_session as load_from_store
+
+        return load_from_store(path, model, session_cls=session_cls, **options)
     folder = Path(path)
     cls = session_cls or ReuseSession
     session = None
