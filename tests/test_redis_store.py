@@ -111,7 +111,8 @@ def test_backends_round_trip_and_usage(server, tmp_path):
     """Both backends return what was put, bit for bit, list it, report its namespace's bytes and forget it on delete;
     a namespace budget deletes the oldest entries first.
 
-    Planted bug that fails it: ``RedisBackend.put`` stores ``data`` of the previous entry (a stale buffer)."""
+    Planted bug that fails it: the budget pass (``_BudgetMixin._enforce``) ignores ``keep`` and deletes the entry
+    just written."""
     for b in _backends(server, tmp_path, tenant="t1"):
         b.clear("ns-a")
         tensors = {"k": torch.randn(2, 3, 5, 4), "ids": torch.arange(5), "h": torch.randn(3).half()}
@@ -282,8 +283,8 @@ def test_memory_pressure_evicts_whole_entries(fresh):
     """Under ``maxmemory`` the server evicts entries; every key left is a whole entry that verifies, an evicted one
     is a miss (the vLLM store raises FileNotFoundError: the connector recomputes), and usage is reported.
 
-    Planted bug that fails it: ``RedisBackend.get`` returns an empty tensor dict for a missing key instead of None
-    (an evicted entry served as an entry)."""
+    Planted bug that fails it: ``RedisBackend.get`` returns ``({}, {})`` for a missing key instead of None (an
+    evicted entry taken for a present one)."""
     store = KVEntryStore(fresh.url)
     infos = []
     for i in range(20):
