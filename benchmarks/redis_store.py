@@ -69,6 +69,31 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, int, Path]:
     raise RuntimeError("redis-server did not start")
 
 
+def write(args, samples, layers, heads, dim) -> list[dict]:
+    """Medians per size and mode, written with every sample to ``args.out`` (called after each size)."""
+    summary = []
+    for n in sorted({x['tokens'] for x in samples}):
+        for mode in MODES:
+            s = [x for x in samples if x["tokens"] == n and x["mode"] == mode]
+            summary.append(dict(tokens=n, mode=mode, bytes=s[0]["bytes"],
+                                save_ms=1e3 * statistics.median(x["save_s"] for x in s),
+                                load_ms=1e3 * statistics.median(x["load_s"] for x in s)))
+    for row in summary:
+        ref = next(x for x in summary if x["tokens"] == row["tokens"] and x["mode"] == "folder")
+        row["save_vs_folder"], row["load_vs_folder"] = row["save_ms"] / ref["save_ms"], row["load_ms"] / ref["load_ms"]
+        print(f"{row['tokens']:>5} {row['mode']:<16} {row['bytes'] / 2**20:7.1f} MiB  save {row['save_ms']:8.1f} ms "
+              f"({row['save_vs_folder']:.2f}x)  load {row['load_ms']:8.1f} ms ({row['load_vs_folder']:.2f}x)")
+    import redis
+
+    doc = dict(config=dict(vars(args), layers=layers, kv_heads=heads, head_dim=dim, model="smollm2-135m-instruct",
+                           redis_server=subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True,
+                                                       text=True).stdout.strip(), redis_py=redis.__version__,
+                           machine=platform.machine(), python=platform.python_version(), torch=torch.__version__),
+               commit=git_commit(), summary=summary, samples=samples)
+    write_json(args.out, doc)
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -90,7 +115,7 @@ def main() -> None:
     layout = kv_layout(load_smollm2(dtype=dtype)[0])
     layers, (heads, dim) = layout.layers, layout.shapes[0]
     identity = ModelIdentity("0" * 64, args.dtype, "smollm2-135m-instruct")
-    tmp = Path(tempfile.mkdtemp(prefix="kvstore_bench_", dir=Path(args.out).resolve().parent))
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore_bench_"))  # on disk here (check where TMPDIR points)
     proc, port, sock = start_server(Path(tempfile.mkdtemp(prefix="kvstore_sock_")))
     samples = []
     try:
@@ -123,29 +148,11 @@ def main() -> None:
                     else:
                         store.backend.delete(store._ns(identity), info.entry_id)
                 print(f"{n} tokens, repeat {r} done", flush=True)
+            summary = write(args, samples, layers, heads, dim)
     finally:
         proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-    summary = []
-    for n in args.tokens:
-        for mode in MODES:
-            s = [x for x in samples if x["tokens"] == n and x["mode"] == mode]
-            summary.append(dict(tokens=n, mode=mode, bytes=s[0]["bytes"],
-                                save_ms=1e3 * statistics.median(x["save_s"] for x in s),
-                                load_ms=1e3 * statistics.median(x["load_s"] for x in s)))
-    for row in summary:
-        ref = next(x for x in summary if x["tokens"] == row["tokens"] and x["mode"] == "folder")
-        row["save_vs_folder"], row["load_vs_folder"] = row["save_ms"] / ref["save_ms"], row["load_ms"] / ref["load_ms"]
-        print(f"{row['tokens']:>5} {row['mode']:<16} {row['bytes'] / 2**20:7.1f} MiB  save {row['save_ms']:8.1f} ms "
-              f"({row['save_vs_folder']:.2f}x)  load {row['load_ms']:8.1f} ms ({row['load_vs_folder']:.2f}x)")
-    import redis
-
-    doc = dict(config=dict(vars(args), layers=layers, kv_heads=heads, head_dim=dim, model="smollm2-135m-instruct",
-                           redis_server=subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True,
-                                                       text=True).stdout.strip(), redis_py=redis.__version__,
-                           machine=platform.machine(), python=platform.python_version(), torch=torch.__version__),
-               commit=git_commit(), summary=summary, samples=samples)
-    write_json(args.out, doc)
+    summary = write(args, samples, layers, heads, dim)
     try:
         import matplotlib
 

@@ -283,6 +283,8 @@ def test_memory_pressure_evicts_whole_entries(fresh):
     """Under ``maxmemory`` the server evicts entries; every key left is a whole entry that verifies, an evicted one
     is a miss (the vLLM store raises FileNotFoundError: the connector recomputes), and usage is reported.
 
+    An entry larger than the server's memory is a lost write (a future miss), not an error.
+
     Planted bug that fails it: ``RedisBackend.get`` returns ``({}, {})`` for a missing key instead of None (an
     evicted entry taken for a present one)."""
     store = KVEntryStore(fresh.url)
@@ -302,6 +304,8 @@ def test_memory_pressure_evicts_whole_entries(fresh):
     assert gone > 0 and gone < len(infos)
     for raw in fresh.client().keys("*"):
         assert fresh.client().hlen(raw) == 2  # never half an entry
+    big = kv_tensors(10240, layers=2, heads=2, dim=64)  # ~21 MiB: more than the server may hold
+    assert store.put(ID, list(range(10240)), *big) is None and store.unavailable == 1  # a lost write, no error
     usage = store.usage()  # entries left now (reads may evict more while the server is at its limit)
     assert sum(u.entries for u in usage) <= len(infos) - gone and sum(u.nbytes for u in usage) <= 16 << 20
 

@@ -17,6 +17,7 @@ stores built on a backend treat as a miss.
 
 from __future__ import annotations
 
+import json
 import time
 
 from . import (CorruptEntryError, NamespaceUsage, StoreUnavailableError, _BudgetMixin, _iter_chunks, check_name,
@@ -63,6 +64,9 @@ class RedisBackend(_BudgetMixin):
         else:
             self.client, self.url = url, repr(url)
         self._errors = (redis.ConnectionError, redis.TimeoutError)
+        # a write the server refuses for its size or memory is a lost write (a future miss); an ACL refusal
+        # (NoPermissionError) is a configuration error and propagates
+        self._refusals = tuple(c for c in (getattr(redis.exceptions, "OutOfMemoryError", None),) if c) or ()
         self.base = f"{self.tenant}:{PREFIX}:" if self.tenant else f"{PREFIX}:"
 
     def __repr__(self) -> str:
@@ -80,7 +84,11 @@ class RedisBackend(_BudgetMixin):
     # -- the protocol ---------------------------------------------------------------------------------------------
     def put(self, ns, key, meta, tensors) -> None:
         mb, data = encode_entry(ns, key, meta, tensors)
-        self._call(self.client.hset, self._key(ns, key), mapping={"meta": mb, "data": data})  # one command: atomic
+        try:  # one command: applied whole or not at all
+            self._call(self.client.hset, self._key(ns, key), mapping={"meta": mb, "data": data})
+        except self._refusals as e:  # over maxmemory (a single entry larger than it), over proto-max-bulk-len, ...
+            raise StoreUnavailableError(f"Redis store {self.url}: the server refused an entry of {len(data)} bytes: "
+                                        f"{e}") from e
         self._enforce(ns, keep=key)
 
     def get(self, ns, key):
@@ -141,8 +149,6 @@ class RedisBackend(_BudgetMixin):
                 if mb is None:
                     continue
                 try:
-                    import json
-
                     written = float(json.loads(mb).get("written_at", 0.0))
                 except ValueError:
                     written = 0.0

@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                               KVConnectorRole)
 
 from ..artifacts import CorruptArtifactError
-from ..stores.tiers import open_kv_store
+from ..stores.tiers import KVEntryStore, open_kv_store
 from .identity import ModelIdentity, ModelMismatchError, folder_identity
 from .layout import PagedLayout, UnknownLayoutError, detect_layout
 from .plan import Claim, Piece, plan_claim
@@ -332,7 +332,8 @@ class KVReuseConnector(KVConnectorBase_V1):
             try:
                 if piece.entry_id not in entries:
                     t1 = time.perf_counter()
-                    info = self.store.info(piece.entry_id)
+                    info = (self.store.info(piece.entry_id, self.identity) if isinstance(self.store, KVEntryStore)
+                            else self.store.info(piece.entry_id))  # a server store: look in this model's namespace
                     if info is None:
                         raise CorruptArtifactError(f"entry {piece.entry_id} is gone or its JSON does not verify")
                     entries[piece.entry_id] = self.store.load(info, self.identity)
