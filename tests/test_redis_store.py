@@ -426,3 +426,4 @@ def test_chunk_store_url_and_folder_backend_agree(server, model, tmp_path):
         assert got is not None and b.hits == 1 and got.start == 3 and got.anchor_token == 6
         assert_kv_close(got.kv, c.kv, atol=0)
         assert_kv_close(got.anchor, c.anchor, atol=0)
+        assert "StoreTier(" in repr(b) and "hits=1" in repr(b.disk)

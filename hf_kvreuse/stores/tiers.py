@@ -135,6 +135,10 @@ class StoreTier:
     def usage(self):
         return self.backend.usage()
 
+    def __repr__(self) -> str:  # the backend's repr: no credentials
+        return (f"StoreTier({self.backend!r}, hits={self.hits}, misses={self.misses}, writes={self.writes}, "
+                f"refused={self.refused}, unavailable={self.unavailable})")
+
 
 # -- the vLLM connector's store ---------------------------------------------------------------------------------------
 class KVEntryStore:
