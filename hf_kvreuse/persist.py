@@ -344,6 +344,8 @@ def save_session(session, path, prune_after_s: float = 60.0, **store_options) ->
         from .stores.tiers import save_session as save_to_store
 
         return save_to_store(session, path, **store_options)
+    if store_options:
+        raise TypeError(f"save_session: {sorted(store_options)} apply to a store URL or backend, not to a folder")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     import hf_kvreuse
