@@ -31,9 +31,9 @@ ENGINE = textwrap.dedent("""
     folder, url, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32,
               enable_prefix_caching=False, max_num_seqs=2, seed=0,
-              kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
-                                                  kv_role="kv_both", kv_load_failure_policy="recompute",
-                                                  kv_connector_extra_config={"store": url, "spans": False}))
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
+                  kv_load_failure_policy="recompute", kv_connector_extra_config={"store": url, "spans": False}))
     out = []
     for ids, opts in jobs:
         sp = SamplingParams(max_tokens=12, temperature=0, logprobs=5, seed=0,
