@@ -30,11 +30,13 @@ setup(
         # triton: the optional kernels (hf_kvreuse/triton, HF_KVREUSE_KERNELS); tests/test_kernels.py runs them
         # in Triton's interpreter on CPU. Pinned to the version tested with torch 2.13 (3.8.0 passes too);
         # Linux only: triton ships no other wheels.
-        "dev": ["pytest>=8", "hypothesis>=6.100", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6",
+        "dev": ["pytest>=8", "hypothesis>=6.100", "redis>=5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6",
                 "triton==3.9.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7"],
         # the documentation site (make docs): mkdocs-material + mkdocstrings-python, built with --strict
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
+        # hf_kvreuse.stores.redis: the K/V store on a Redis 7 / Valkey server (tests need redis-server too)
+        "redis": ["redis>=5"],
         "triton": ["triton==3.9.0; platform_system == 'Linux'"],
         # hf_kvreuse.vllm (the KV connector): vLLM's CPU build, the version the connector is tested on
         # (tests_vllm/, `make test-vllm`); importing hf_kvreuse never imports vllm

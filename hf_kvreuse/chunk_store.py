@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from .compat import cache_kwargs
 from .devices import input_device
 from .fingerprint import model_fingerprint  # noqa: F401 - re-exported: chunk keys use it
+from .chunk import KVChunk  # noqa: F401 - re-exported
 from .kv import KV, kv_of, slice_kv
 
 
@@ -28,34 +29,6 @@ def _ids_digest(ids: Sequence[int] | torch.Tensor | None) -> str:
         return "-"
     t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu().contiguous()
     return hashlib.sha1(t.numpy().tobytes()).hexdigest()
-
-
-@dataclass
-class KVChunk:
-    """K/V of ``token_ids`` with keys rotated at positions ``start..start+len``.
-
-    ``anchor`` is the K/V of the prefix token right before the chunk (position ``start - 1``), kept for
-    offset-based methods; None for standalone chunks.
-    """
-
-    token_ids: torch.Tensor
-    kv: KV
-    start: int
-    prefix_digest: str = "-"
-    anchor: KV | None = None
-    anchor_token: int | None = None
-    #: read-outs computed with the chunk's K/V that a cache may keep with it (LatentRemedy: the bridge's read-out of
-    #: an agent's own prefix); not counted in ``nbytes``
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def length(self) -> int:
-        return int(self.token_ids.numel())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for k, v in self.kv + (self.anchor or []))
 
 
 @dataclass
@@ -69,7 +42,8 @@ class ChunkStore:
     disk : DiskTier, optional
         A second tier on disk (:class:`hf_kvreuse.persist.DiskTier`, its own byte budget), shared with other
         processes: memory misses are looked up there (verified before use), every chunk put is written there too.
-        ``ChunkStore(max_bytes=1 << 30, disk=DiskTier("kv_chunks", max_bytes=20 << 30))``.
+        ``ChunkStore(max_bytes=1 << 30, disk=DiskTier("kv_chunks", max_bytes=20 << 30))``; a store URL
+        (``disk="redis://host:6379"``) or :class:`hf_kvreuse.stores.tiers.StoreTier` puts the tier on a server.
 
     Attributes
     ----------
@@ -85,6 +59,12 @@ class ChunkStore:
     misses: int = 0
     evictions: int = 0
     disk: "DiskTier | None" = None  # noqa: F821 -- hf_kvreuse.persist.DiskTier
+
+    def __post_init__(self):
+        if isinstance(self.disk, str) and "://" in self.disk:  # a store URL: hf_kvreuse.stores.tiers.StoreTier
+            from .stores.tiers import StoreTier
+
+            self.disk = StoreTier(self.disk)
 
     @property
     def nbytes(self) -> int:

