@@ -8,6 +8,7 @@ from hf_kvreuse import KVMapper, RandomScorer, TranslatedCache, enable
 from hf_kvreuse.focus import mention_rows, token_texts
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.models import tiny_model
+from hf_kvreuse.generation.selected import wrapped_attention
 from hf_kvreuse.translation.question import QuestionAttentionScorer, QuestionWordScorer, attention_probe
 from hf_kvreuse.translation.scorers import Scorer
 
@@ -278,13 +279,19 @@ def test_attention_probe_is_invisible_to_another_threads_generate(pair):
 
 def test_attention_probes_exiting_out_of_order_leave_the_model_unchanged(pair):
     """Two probes (two threads' scorers) that exit in the other order than they entered leave the model's attention
-    implementation and config as they were. Planted bug: each probe saves and restores the implementation it found
-    (no reference count): the model stays on the probe's implementation for good."""
+    implementation and config as they were, and no observer that keeps collecting. Planted bugs: each probe saves and
+    restores the implementation it found (no reference count): the model stays on the probe's implementation for
+    good; the observer is not closed at exit: the first probe's observer, which the context variable's reset order
+    leaves in place, appends every later forward's attention weights (memory grows with every call)."""
     _, tgt, _ = pair
     saved = tgt.config._attn_implementation
     first, second = attention_probe(tgt), attention_probe(tgt)
-    first.__enter__()
-    second.__enter__()
+    sink_a = first.__enter__()
+    sink_b = second.__enter__()
     first.__exit__(None, None, None)
     second.__exit__(None, None, None)
     assert tgt.config._attn_implementation == saved
+    n_a, n_b = len(sink_a), len(sink_b)
+    with wrapped_attention(tgt):  # even through the library's wrapper, nothing is observed any more
+        tgt(torch.randint(3, 100, (1, 6)))
+    assert (len(sink_a), len(sink_b)) == (n_a, n_b)

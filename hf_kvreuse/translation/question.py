@@ -32,9 +32,13 @@ from .scorers import FirstLayerDeviationScorer, Scorer
 def _probe_weights(sink: list):
     """The observer that appends each attention's weights, summed over batch and heads (``[R, N]``), to ``sink``:
     softmax of the layer's own scaled query-key scores (after its RoPE and norms, as the model's attention gets
-    them) over the columns each row sees, in float32."""
+    them) over the columns each row sees, in float32. ``observe.close()`` empties it for good: an observer left
+    in a context after its probe ended (probes exited out of order) appends nothing and holds nothing."""
+    box = [sink]
 
     def observe(module, query, key, allowed, kwargs):
+        if not box:
+            return
         if kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None or \
                 kwargs.get("sinks") is not None:
             raise ValueError(f"the attention probe handles full causal attention; {type(module).__name__} passes "
@@ -50,8 +54,9 @@ def _probe_weights(sink: list):
         if allowed is None:  # causal, the rows being the last ones
             allowed = torch.ones(r, n, dtype=torch.bool, device=scores.device).tril(n - r)
         scores = scores.masked_fill(~allowed[..., :n].to(scores.device), float("-inf"))
-        sink.append(torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=(0, 1)))
+        box[0].append(torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=(0, 1)))
 
+    observe.close = box.clear
     return observe
 
 
@@ -66,11 +71,13 @@ def attention_probe(model):
     from ..generation.selected import OBSERVER, wrapped_attention
 
     sink: list = []
-    token = OBSERVER.set(_probe_weights(sink))
+    observer = _probe_weights(sink)
+    token = OBSERVER.set(observer)
     try:
         with wrapped_attention(model):
             yield sink
     finally:
+        observer.close()  # inert even if a probe exited out of order leaves it in this context
         OBSERVER.reset(token)
 
 
