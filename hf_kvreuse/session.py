@@ -39,7 +39,7 @@ from .alignment import Alignment, align_multi
 from .compat import CACHE_KW, CACHE_NAMES
 from .devices import input_device, layer_devices, offloaded, place_kv
 from .generation.options import call_options
-from .inputs import prompt_ids
+from .inputs import inferred_padding, prompt_ids, refuse_inferred_padding
 from .kv import KV, kv_of, load_kv
 from .timing import TokenTimer, synchronize
 
@@ -415,8 +415,13 @@ class ReuseSession:
             self._check_policy_for_sliding(policy)
         if policy == "translated" and "source_cache" in generate_kwargs:
             raise ValueError("source_cache is not a generate keyword; the session prefills the source model itself")
-        ids = self._check_ids(input_ids, generate_kwargs)
         opts = call_options(_generation_config_model(self.model), generate_kwargs)
+        padded = self._inferred_padding(input_ids, generate_kwargs, policy if opts.use_cache else "full")
+        ids = self._check_ids(input_ids, generate_kwargs)
+        if padded:
+            with self._lock:
+                return self._generate_uncached(ids, agent, policy, generate_kwargs, padded=True,
+                                               timed=opts.sequences == 1)
         if not opts.stepwise and policy not in ("auto", "full", "prefix"):
             raise ValueError(f"policy={policy!r} decodes one sequence token by token; this call asks for "
                              f"{opts.mode} with {opts.sequences} sequences: use policy 'auto' or 'prefix' (exact "
@@ -426,11 +431,29 @@ class ReuseSession:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
             return self._generate(ids, agent, policy, generate_kwargs, opts)
 
-    def _generate_uncached(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
-        """``use_cache=False``: plain ``generate`` (no cache to reuse or to keep)."""
+    def _inferred_padding(self, input_ids, kwargs: dict, policy: str) -> bool:
+        """Whether plain ``generate`` would mask pad tokens of this prompt (no ``attention_mask``, the pad id in
+        the prompt and not an eos id). Policies ``auto`` and ``full`` then run plain ``generate`` as it is (no
+        reuse, nothing held: held rows read the pad tokens as text); any other policy is refused with the pad id."""
+        if kwargs.get("attention_mask") is not None:
+            return False
+        ids = prompt_ids(input_ids, "input_ids")
+        model = _generation_config_model(self.model)
+        if inferred_padding(model, ids, kwargs) is None:
+            return False
+        if policy not in ("auto", "full"):
+            refuse_inferred_padding(model, ids, kwargs, f"ReuseSession policy {policy!r}")
+        return True
+
+    def _generate_uncached(self, ids: torch.Tensor, agent, policy: str, kwargs: dict, padded: bool = False,
+                           timed: bool = True):
+        """``use_cache=False``, or a prompt whose pad tokens ``generate`` masks (``padded``): plain ``generate``
+        (no cache to reuse or to keep; ``padded`` calls get the mask ``generate`` infers, not an all-ones one)."""
+        if padded:
+            kwargs.pop("attention_mask", None)
         stats = SessionStats(policy=policy, method="full", agent=agent, prompt_tokens=ids.shape[1],
                              new_tokens=ids.shape[1], stored=False)
-        out = self._timed_generate(ids, None, kwargs, stats, timed=True)
+        out = self._timed_generate(ids, None, kwargs, stats, timed=timed)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - ids.shape[1])
         stats.held_bytes = self.nbytes
