@@ -41,6 +41,7 @@ from .devices import input_device, layer_devices, offloaded, place_kv
 from .generation.options import call_options
 from .inputs import inferred_padding, prompt_ids, refuse_inferred_padding
 from .kv import KV, kv_of, load_kv
+from .sliding import WindowSnapshot, boundary_kv
 from .timing import TokenTimer, synchronize
 
 POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
@@ -189,6 +190,8 @@ class _Entry:
     agent: str | None
     nbytes: int
     producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
+    # prompt boundaries: {m: the sliding-window layers' rows a cache of the first m tokens keeps} (sliding.py)
+    marks: dict = dataclasses.field(default_factory=dict)
 
     def prefix_kv(self, p: int, windows: list[int | None]) -> KV | None:
         """The K/V a cache of the first ``p`` tokens holds, from this entry's rows, or None where a sliding-window
@@ -493,7 +496,9 @@ class ReuseSession:
             p = min(_common_prefix(e.ids, cpu_ids), n - 1)
             if p > prefix:
                 kv = e.prefix_kv(p, self._windows)
-                if kv is not None:
+                if kv is None and e.marks:  # generation moved a sliding window past p: a prompt boundary
+                    p, kv = boundary_kv(e.kv, e.marks, p, self._windows) or (p, None)
+                if kv is not None and p > prefix:
                     prefix, prefix_key, prefix_kv = p, key, kv
         # only an exact prefix for the calls no reuse cache can serve (beams, several sequences, sliding layers);
         # "auto" also keeps to it on an offloaded model, whose hooks cannot prefill in the background
@@ -520,6 +525,10 @@ class ReuseSession:
                                   producer)
         if opts.sequences > 1 and cache.get_seq_length():
             cache.batch_repeat_interleave(opts.sequences)  # generate expands the prompt, not a cache it is given
+        snapshot = None
+        if any(self._windows) and opts.sequences == 1:  # the sliding layers' rows at the end of the prompt
+            snapshot = WindowSnapshot(cache, self._windows, n)
+            kwargs = dict(kwargs, streamer=_Tee(snapshot, kwargs.get("streamer")))
         out = self._timed_generate(ids, cache, kwargs, stats, timed=opts.sequences == 1)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
@@ -538,7 +547,7 @@ class ReuseSession:
                 if key in self._entries:
                     self._entries.move_to_end(key)
             if sequences.shape[0] == 1:  # beams / several returned sequences: nothing row-for-row to hold
-                self._store(cache, sequences, stats, agent, producer)
+                self._store(cache, sequences, stats, agent, producer, snapshot)
             else:
                 stats.held_bytes = self.nbytes
         self.calls += 1
@@ -654,7 +663,8 @@ class ReuseSession:
         return cls(self.model, ids, blocks, store=store, block_prefix_ids=prefixes, **kw)
 
     # -- keeping the result ----------------------------------------------------------------------------------
-    def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str) -> None:
+    def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str,
+               snapshot: WindowSnapshot | None = None) -> None:
         kv = list(kv_of(cache))
         # the tokens the cache stands for (a sliding-window layer holds fewer rows than that; layer 0 may be one)
         length = int(cache.get_seq_length())
@@ -665,11 +675,18 @@ class ReuseSession:
             return  # compressed or padded layouts are not reusable row for row
         entry = _Entry(ids=sequences[0, :length].cpu(), kv=kv, exact=stats.exact, agent=agent,
                        nbytes=_storage_bytes(kv), producer=producer)
+        if snapshot is not None and snapshot.rows is not None and entry.exact and snapshot.n <= length:
+            entry.marks[snapshot.n] = snapshot.rows
+            entry.nbytes += snapshot.nbytes
         if entry.nbytes <= self.max_bytes:
-            # a held cache whose tokens this exact one extends is redundant
+            # a held cache whose tokens this exact one extends is redundant (its prompt boundaries move over)
             if entry.exact:
                 for key in [k for k, e in self._entries.items() if e.producer == producer
                             and e.ids.numel() <= length and torch.equal(e.ids, entry.ids[:e.ids.numel()])]:
+                    for m, rows in self._entries[key].marks.items():
+                        if m not in entry.marks:
+                            entry.marks[m] = rows
+                            entry.nbytes += sum(t.numel() * t.element_size() for r in rows if r for t in r)
                     del self._entries[key]
             self._entries[self._next_key] = entry
             self._next_key += 1
