@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["prompt_ids", "split_encoding"]
+__all__ = ["prompt_ids", "split_encoding", "inferred_padding", "refuse_inferred_padding"]
 
 _HOW = ("pass token ids: a LongTensor [1, T], a list of ints, or what the tokenizer returns "
         "(tok(text, return_tensors='pt') or tok.apply_chat_template(msgs, add_generation_prompt=True, "
@@ -82,6 +82,51 @@ def prompt_ids(x, name: str = "input_ids", mask=None) -> torch.Tensor:
             raise ValueError(f"{name}: the attention_mask has zeros (padding); padded prompts are not supported: "
                              "pass one unpadded prompt (tok(text, return_tensors='pt') without padding=True)")
     return ids
+
+
+def inferred_padding(model, ids: torch.Tensor, generate_kwargs: dict) -> tuple[int, torch.Tensor] | None:
+    """``(pad_id, mask)`` where ``model.generate(ids, **generate_kwargs)`` would infer an attention mask with zeros
+    from a pad id inside the prompt, else None.
+
+    Without an ``attention_mask``, transformers' ``generate`` resolves the pad id (the call's ``pad_token_id``, else
+    the generation config's, else the first eos id) and, when the prompt holds it and it is not an eos id, masks
+    those tokens as padding (and shifts the positions after them). A cache or session that reads the prompt as text
+    would then answer differently, so every place that takes prompt ids asks this function first.
+    """
+    if generate_kwargs.get("attention_mask") is not None:
+        return None
+    from .generation.options import call_options
+
+    cfg = call_options(model, generate_kwargs).config
+    eos = getattr(cfg, "eos_token_id", None)
+    eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
+    pad = getattr(cfg, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else None  # generate's own fallback: then pad is an eos id and nothing is inferred
+    if pad is None:
+        return None
+    pad = int(torch.as_tensor(pad).reshape(-1)[0])
+    if pad in eos:
+        return None
+    mask = ids.ne(pad).long()
+    if bool(mask.all()):
+        return None
+    return pad, mask
+
+
+def refuse_inferred_padding(model, ids: torch.Tensor, generate_kwargs: dict, who: str) -> None:
+    """Raise a ``ValueError`` naming the pad id where ``generate`` would mask pad tokens of the prompt (see
+    :func:`inferred_padding`) and ``who`` (a cache or a session policy) would read them as text instead."""
+    found = inferred_padding(model, ids, generate_kwargs)
+    if found is None:
+        return
+    pad, mask = found
+    at = (mask[0] == 0).nonzero().flatten().tolist()
+    raise ValueError(f"the prompt holds the pad token id {pad} (at position{'s' if len(at) > 1 else ''} "
+                     f"{', '.join(map(str, at[:8]))}{', ...' if len(at) > 8 else ''}) and no attention_mask was "
+                     f"given: plain generate would mask it as padding, which {who} does not reproduce. Pass "
+                     "attention_mask=torch.ones_like(input_ids) if the token is meant as text (or, with "
+                     "ReuseSession, use policy 'auto' or 'full', which then run plain generate)")
 
 
 def unpack_generate_inputs(kwargs: dict) -> None:

@@ -42,11 +42,12 @@ from .auto import AutoChooser
 from .compat import CACHE_KW, CACHE_NAMES
 from .devices import input_device, layer_devices, offloaded, place_kv
 from .generation.options import call_options
-from .inputs import prompt_ids
+from .inputs import inferred_padding, prompt_ids, refuse_inferred_padding
 from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
+from .sliding import WindowSnapshot, boundary_kv
 from .timing import TokenTimer, synchronize
 
 POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
@@ -406,8 +407,13 @@ class ReuseSession:
             self._check_policy_for_sliding(policy)
         if policy == "translated" and "source_cache" in generate_kwargs:
             raise ValueError("source_cache is not a generate keyword; the session prefills the source model itself")
-        ids = self._check_ids(input_ids, generate_kwargs)
         opts = call_options(_generation_config_model(self.model), generate_kwargs)
+        padded = self._inferred_padding(input_ids, generate_kwargs, policy if opts.use_cache else "full")
+        ids = self._check_ids(input_ids, generate_kwargs)
+        if padded:
+            with self._lock:
+                return self._generate_uncached(ids, agent, policy, generate_kwargs, padded=True,
+                                               timed=opts.sequences == 1)
         if not opts.stepwise and policy not in ("auto", "full", "prefix"):
             raise ValueError(f"policy={policy!r} decodes one sequence token by token; this call asks for "
                              f"{opts.mode} with {opts.sequences} sequences: use policy 'auto' or 'prefix' (exact "
@@ -417,11 +423,29 @@ class ReuseSession:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
             return self._generate(ids, agent, policy, generate_kwargs, opts)
 
-    def _generate_uncached(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
-        """``use_cache=False``: plain ``generate`` (no cache to reuse or to keep)."""
+    def _inferred_padding(self, input_ids, kwargs: dict, policy: str) -> bool:
+        """Whether plain ``generate`` would mask pad tokens of this prompt (no ``attention_mask``, the pad id in
+        the prompt and not an eos id). Policies ``auto`` and ``full`` then run plain ``generate`` as it is (no
+        reuse, nothing held: held rows read the pad tokens as text); any other policy is refused with the pad id."""
+        if kwargs.get("attention_mask") is not None:
+            return False
+        ids = prompt_ids(input_ids, "input_ids")
+        model = _generation_config_model(self.model)
+        if inferred_padding(model, ids, kwargs) is None:
+            return False
+        if policy not in ("auto", "full"):
+            refuse_inferred_padding(model, ids, kwargs, f"ReuseSession policy {policy!r}")
+        return True
+
+    def _generate_uncached(self, ids: torch.Tensor, agent, policy: str, kwargs: dict, padded: bool = False,
+                           timed: bool = True):
+        """``use_cache=False``, or a prompt whose pad tokens ``generate`` masks (``padded``): plain ``generate``
+        (no cache to reuse or to keep; ``padded`` calls get the mask ``generate`` infers, not an all-ones one)."""
+        if padded:
+            kwargs.pop("attention_mask", None)
         stats = SessionStats(policy=policy, method="full", agent=agent, prompt_tokens=ids.shape[1],
                              new_tokens=ids.shape[1], stored=False)
-        out = self._timed_generate(ids, None, kwargs, stats, timed=True)
+        out = self._timed_generate(ids, None, kwargs, stats, timed=timed)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - ids.shape[1])
         stats.held_bytes = self.nbytes
@@ -461,7 +485,9 @@ class ReuseSession:
             p = min(_common_prefix(e.ids, cpu_ids), n - 1)
             if p > prefix:
                 kv = e.prefix_kv(p, self._windows)
-                if kv is not None:
+                if kv is None and e.marks:  # generation moved a sliding window past p: a prompt boundary
+                    p, kv = boundary_kv(e.kv, e.marks, p, self._windows) or (p, None)
+                if kv is not None and p > prefix:
                     prefix, prefix_key, prefix_kv = p, key, kv
         # only an exact prefix for the calls no reuse cache can serve (beams, several sequences, sliding layers);
         # "auto" also keeps to it on an offloaded model, whose hooks cannot prefill in the background
@@ -501,6 +527,10 @@ class ReuseSession:
                                       set(trusted), producer)
         if opts.sequences > 1 and cache.get_seq_length():
             cache.batch_repeat_interleave(opts.sequences)  # generate expands the prompt, not a cache it is given
+        snapshot = None
+        if any(self._windows) and opts.sequences == 1:  # the sliding layers' rows at the end of the prompt
+            snapshot = WindowSnapshot(cache, self._windows, n)
+            kwargs = dict(kwargs, streamer=_Tee(snapshot, kwargs.get("streamer")))
         out = self._timed_generate(ids, cache, kwargs, stats, timed=opts.sequences == 1)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
@@ -532,7 +562,7 @@ class ReuseSession:
             # beams / several returned sequences: nothing row-for-row to hold (a beam cache has one row per beam,
             # reordered; even its prompt rows come from a batched prefill, not the batch-1 one a later call runs)
             if sequences.shape[0] == 1 and opts.sequences == 1 and all(k.shape[0] == 1 for k, _ in kv_of(cache)):
-                self._store(cache, sequences, stats, agent, producer)
+                self._store(cache, sequences, stats, agent, producer, snapshot)
             else:
                 stats.held_bytes = self.nbytes
         self.calls += 1
@@ -683,7 +713,8 @@ class ReuseSession:
         return cls(self.model, ids, blocks, store=store, block_prefix_ids=prefixes, **kw)
 
     # -- keeping the result ----------------------------------------------------------------------------------
-    def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str) -> None:
+    def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str,
+               snapshot: WindowSnapshot | None = None) -> None:
         kv = list(kv_of(cache))
         # the tokens the cache stands for (a sliding-window layer holds fewer rows than that; layer 0 may be one)
         length = int(cache.get_seq_length())
@@ -694,11 +725,18 @@ class ReuseSession:
             return  # compressed or padded layouts are not reusable row for row
         entry = _Entry(ids=sequences[0, :length].cpu(), kv=kv, exact=stats.exact, agent=agent,
                        nbytes=_storage_bytes(kv), producer=producer)
+        if snapshot is not None and snapshot.rows is not None and entry.exact and snapshot.n <= length:
+            entry.marks[snapshot.n] = snapshot.rows
+            entry.nbytes += snapshot.nbytes
         if entry.nbytes <= self.max_bytes:
-            # a held cache whose tokens this exact one extends is redundant
+            # a held cache whose tokens this exact one extends is redundant (its prompt boundaries move over)
             if entry.exact:
                 for key in [k for k, e in self._entries.items() if e.producer == producer
                             and e.ids.numel() <= length and torch.equal(e.ids, entry.ids[:e.ids.numel()])]:
+                    for m, rows in self._entries[key].marks.items():
+                        if m not in entry.marks:
+                            entry.marks[m] = rows
+                            entry.nbytes += sum(t.numel() * t.element_size() for r in rows if r for t in r)
                     del self._entries[key]
             self._entries[self._next_key] = entry
             self._next_key += 1

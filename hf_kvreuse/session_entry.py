@@ -7,7 +7,7 @@ optimistic alignment over every held cache (see :class:`~hf_kvreuse.OptimisticCa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class _Entry:
     agent: str | None
     nbytes: int
     producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
+    # prompt boundaries: {m: the sliding-window layers' rows a cache of the first m tokens keeps} (sliding.py)
+    marks: dict = field(default_factory=dict)
 
     def prefix_kv(self, p: int, windows: list[int | None]) -> KV | None:
         """The K/V a cache of the first ``p`` tokens holds, from this entry's rows, or None where a sliding-window

@@ -109,18 +109,11 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
 
     def _check_pad_tokens(self, model, input_ids, generate_kwargs: dict) -> None:
         """Without a mask, generate treats pad tokens in the prompt as padding (unless the pad id is also an eos
-        id): it masks them and shifts the positions after them, while this cache assembles them as real tokens.
-        (Continuations are plain DynamicCache decoding and behave as transformers does.)"""
-        if generate_kwargs.get("attention_mask") is not None:
-            return
-        cfg = generate_kwargs.get("generation_config") or model.generation_config
-        pad = generate_kwargs.get("pad_token_id", cfg.pad_token_id)
-        eos = generate_kwargs.get("eos_token_id", cfg.eos_token_id)
-        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
-        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-            raise ValueError(f"the prompt contains the pad token id {pad} and no attention_mask was given: "
-                             f"generate would mask it as padding, which {type(self).__name__} does not support. "
-                             "Pass attention_mask=torch.ones_like(input_ids) if the token is meant as text")
+        id): it masks them and shifts the positions after them, while this cache assembles (or, continuing, holds)
+        them as real tokens: refused (:func:`hf_kvreuse.inputs.refuse_inferred_padding`)."""
+        from ..inputs import refuse_inferred_padding
+
+        refuse_inferred_padding(model, input_ids, generate_kwargs, type(self).__name__)
 
     def check_call(self, model, input_ids, generate_kwargs: dict) -> None:
         """The checks every ``generate`` with this cache passes (first call and continuations alike)."""
@@ -171,6 +164,7 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         histories stay exact instead of silently reusing K/V of other tokens.
         """
         self.check_call(model, input_ids, generate_kwargs)
+        self._check_pad_tokens(model, input_ids, generate_kwargs)  # the held rows read pad tokens as text
         cached = self.token_ids.to(input_ids.device)
         m = min(cached.shape[1], input_ids.shape[1] - 1)
         same = (cached[0, :m] == input_ids[0, :m]).long()

@@ -1,0 +1,136 @@
+"""Sliding-window models in ReuseSession: exact prefixes survive a generation that moves the window past them.
+
+Agents with their own role text over one shared document (shorter or longer than the window), several rounds;
+each next prompt of an agent repeats its previous prompt and then differs from its answer (the transcript of the
+others). Every answer must equal plain ``generate`` (tokens and logits), and each agent's next turn must reuse its
+whole previous prompt as an exact prefix: the sliding layers' rows come from the copy taken at the prompt's end
+(:mod:`hf_kvreuse.sliding`), which must equal what plain prefill of that prompt leaves. Property test
+(hypothesis) over tiny random configs of the installed sliding-window architectures.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from hf_kvreuse import ReuseSession
+from hf_kvreuse.compat import cache_kwargs
+from hf_kvreuse.kv import kv_of
+from hf_kvreuse.models.arch_zoo import zoo_model
+
+SLIDING = {
+    "mistral": dict(sliding_window=8, layer_types=["sliding_attention"] * 4),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                  layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2),
+    "gemma2": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    "cohere2": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "gpt_oss": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+}
+CASES = int(os.environ.get("HF_KVREUSE_SLIDING_CASES", "12"))
+WINDOW = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name):
+    try:
+        m = zoo_model(name, **SLIDING[name])
+    except Exception as e:  # noqa: BLE001 - an architecture missing from this transformers release
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    if not any(getattr(layer, "is_sliding", False) for layer in transformers.DynamicCache(config=m.config).layers):
+        return f"no sliding-window cache layer on transformers {transformers.__version__}"
+    return m
+
+
+def _model(name):
+    m = _build(name)
+    if isinstance(m, str):
+        pytest.skip(f"{name}: {m}")
+    return m
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _toks(data, n):
+    return torch.tensor([data.draw(st.lists(st.integers(3, 199), min_size=n, max_size=n))])
+
+
+def _prefill_rows(model, ids):
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, use_cache=True, **cache_kwargs(ref))
+    return list(kv_of(ref))
+
+
+@settings(max_examples=CASES, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_agents_reuse_their_prompt_after_the_window_moved(data):
+    """Every answer = plain generate (tokens, logits); an agent's next turn reuses its whole previous prompt
+    (``exact_prefix_tokens`` = its length) although the answer moved the sliding windows past it; the held
+    prompt-boundary rows equal plain prefill's.
+
+    Planted bug that fails it: ``WindowSnapshot.put`` copies at the third call instead of the second (the rows
+    after the first generated token: other rows than plain prefill of the prompt leaves)."""
+    name = data.draw(st.sampled_from(sorted(SLIDING)))
+    model = _model(name)
+    doc = _toks(data, data.draw(st.integers(3, 3 * WINDOW)))
+    agents = data.draw(st.integers(1, 3))
+    roles = [_toks(data, data.draw(st.integers(1, 4))) for _ in range(agents)]
+    new = data.draw(st.integers(2, WINDOW + 2))
+    sample = data.draw(st.booleans())
+    seed = data.draw(st.integers(0, 2 ** 16))
+    session = ReuseSession(model)
+    transcript = torch.empty(1, 0, dtype=torch.long)
+    last_prompt = {}
+    for rnd in range(2):
+        for a in range(agents):
+            ids = torch.cat([roles[a], doc, transcript, torch.tensor([[3 + a]])], 1)
+            kw = dict(max_new_tokens=new, do_sample=sample, output_logits=True, return_dict_in_generate=True)
+            torch.manual_seed(seed)
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            torch.manual_seed(seed)
+            out = session.generate(ids, agent=str(a), **kw)
+            assert torch.equal(out.sequences, ref.sequences), (name, rnd, a, session.last_stats)
+            for x, y in zip(out.logits, ref.logits):
+                torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+            last_prompt[a] = ids.shape[1]
+            answer = out.sequences[:, ids.shape[1]:]
+            transcript = torch.cat([transcript, torch.tensor([[150 + a]]), answer[:, :2]], 1)
+    for e in session._entries.values():
+        for m, rows in e.marks.items():
+            ref = _prefill_rows(model, e.ids[None, :m])
+            for got, (rk, rv) in zip(rows, ref):
+                if got is not None:
+                    torch.testing.assert_close(got[0], rk, atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(got[1], rv, atol=1e-4, rtol=1e-4)
+
+
+def test_next_turn_reuses_the_prompt_past_the_window():
+    """One agent, a document of three windows, an answer longer than the window, then its next turn with other
+    text after its prompt: exact prefix = the whole previous prompt, answer = plain generate.
+
+    Planted bug that fails it: ``ReuseSession._generate`` does not consult ``boundary_kv`` (only the final rows
+    are tried: nothing reused)."""
+    model = _model("gemma3_text") if not isinstance(_build("gemma3_text"), str) else _model("mistral")
+    ids = torch.arange(10, 10 + 3 * WINDOW)[None]
+    session = ReuseSession(model)
+    session.generate(ids, max_new_tokens=WINDOW + 3, do_sample=False)
+    nxt = torch.cat([ids, torch.tensor([[150, 151, 152]])], 1)
+    out = session.generate(nxt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(nxt, attention_mask=torch.ones_like(nxt), max_new_tokens=4, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+    assert session.last_stats.exact_prefix_tokens == ids.shape[1], session.last_stats
