@@ -47,6 +47,7 @@ from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
+from .hybrid import state_reason
 from .sliding import WindowSnapshot, boundary_kv
 from .timing import TokenTimer, synchronize
 
@@ -315,6 +316,10 @@ class ReuseSession:
                          for layer in DynamicCache(config=_generation_config_model(model).config).layers]
         if any(self._windows):
             self._check_policy_for_sliding(policy)
+        # linear-attention / recurrent-state layers: no held state can be reused exactly yet (hybrid.py)
+        self._state_reason = state_reason(_generation_config_model(model).config)
+        if self._state_reason:
+            self._check_policy_for_states(policy)
 
     @classmethod
     def for_method(cls, model, method: str, **kwargs) -> "ReuseSession":
@@ -352,6 +357,8 @@ class ReuseSession:
         prefixes), otherwise they serve as re-positioned donors only. Full-attention models only.
         """
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+        if self._state_reason:
+            raise ValueError(f"hold() takes K/V; {type(self.model).__name__} has {self._state_reason}")
         if any(self._windows):
             raise ValueError("hold() takes full-attention K/V; this model has sliding-window layers")
         if len(kv) != len(self._windows) or any(k.shape[-2] != ids.numel() for k, _ in kv):
@@ -389,6 +396,11 @@ class ReuseSession:
                              "Use policy 'auto' or 'prefix' (exact prefix reuse), or 'full'")
 
     # -- generate --------------------------------------------------------------------------------------------
+    def _check_policy_for_states(self, policy: str) -> None:
+        if policy not in ("auto", "full"):
+            raise ValueError(f"policy={policy!r} reuses K/V that {type(self.model).__name__} does not have: its "
+                             f"{self._state_reason}. Use policy 'auto' or 'full' (plain generate)")
+
     def generate(self, input_ids, agent: str | None = None, policy: str | None = None, **generate_kwargs):
         """``model.generate(input_ids, **generate_kwargs)`` with the session's caches reused.
 
@@ -405,6 +417,8 @@ class ReuseSession:
                 raise ValueError(f"ReuseSession builds the cache itself: do not pass {name}=")
         if any(self._windows):
             self._check_policy_for_sliding(policy)
+        if self._state_reason:
+            self._check_policy_for_states(policy)
         if policy == "translated" and "source_cache" in generate_kwargs:
             raise ValueError("source_cache is not a generate keyword; the session prefills the source model itself")
         opts = call_options(_generation_config_model(self.model), generate_kwargs)
@@ -419,6 +433,9 @@ class ReuseSession:
                              f"{opts.mode} with {opts.sequences} sequences: use policy 'auto' or 'prefix' (exact "
                              "prefix reuse), or 'full'")
         with self._lock:  # one call at a time: held caches and stats belong to the session
+            if self._state_reason:  # plain generate, nothing held: the default steps down, never raises
+                return self._generate_uncached(ids, agent, policy, generate_kwargs, timed=opts.sequences == 1,
+                                               reason=f"{self._state_reason}: plain generate, nothing held")
             if not opts.use_cache:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
             return self._generate(ids, agent, policy, generate_kwargs, opts)
@@ -438,13 +455,13 @@ class ReuseSession:
         return True
 
     def _generate_uncached(self, ids: torch.Tensor, agent, policy: str, kwargs: dict, padded: bool = False,
-                           timed: bool = True):
+                           timed: bool = True, reason: str | None = None):
         """``use_cache=False``, or a prompt whose pad tokens ``generate`` masks (``padded``): plain ``generate``
         (no cache to reuse or to keep; ``padded`` calls get the mask ``generate`` infers, not an all-ones one)."""
         if padded:
             kwargs.pop("attention_mask", None)
         stats = SessionStats(policy=policy, method="full", agent=agent, prompt_tokens=ids.shape[1],
-                             new_tokens=ids.shape[1], stored=False)
+                             new_tokens=ids.shape[1], stored=False, reason=reason)
         out = self._timed_generate(ids, None, kwargs, stats, timed=timed)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - ids.shape[1])

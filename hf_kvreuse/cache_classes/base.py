@@ -25,6 +25,7 @@ from ..devices import input_device
 from ..generation.options import STEPWISE_MODES, call_options
 from ..generation.protocol import ReuseCacheHooks
 from ..generation.selected import base_attn
+from ..hybrid import state_reason
 
 
 class KVReuseCache(DynamicCache, ReuseCacheHooks):
@@ -50,6 +51,9 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
         if any(self.is_sliding):
             raise ValueError(f"models with sliding-window attention layers are not supported by "
                              f"{type(self).__name__} yet")
+        states = state_reason(model.config)
+        if states:
+            raise ValueError(f"{type(self).__name__} cannot serve {type(model).__name__}: its {states}")
         attn = base_attn(model.config) or "eager"  # not a partial forward's swap in another thread
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn!r} is not supported by {type(self).__name__}: partial "

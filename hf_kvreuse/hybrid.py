@@ -1,0 +1,58 @@
+"""Layers whose cache is a recurrent state, not per-token K/V (linear-attention / state-space hybrids).
+
+Qwen3.5, Qwen3-Next, Jamba, Bamba, Falcon-H1, Zamba, Nemotron-H, OLMo hybrid and others mix attention layers with
+layers (gated delta rule, Mamba, linear attention) whose cache is a convolution and a recurrent state summing the
+whole prefix. Such a state cannot be sliced at a shorter prefix, re-positioned or recomputed for a span: none of
+hf_kvreuse's reuse methods applies, and a held copy of it reproduces plain ``generate`` only for exactly the tokens
+it was taken at. This module finds those layers from the model's own cache layers and config, without trusting the
+architecture's name.
+"""
+
+from __future__ import annotations
+
+from transformers import DynamicCache
+
+#: ``config.layer_types`` entries whose cache is per-token K/V
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+#: layer types holding no cache at all (Nemotron-H's MLP / MoE blocks)
+NO_CACHE_TYPES = ("mlp", "moe", "dense")
+
+
+def state_layers(config) -> list[str]:
+    """``["<index>: <what>", ...]`` for every layer of ``config`` whose cache is not per-token K/V ([] if none).
+
+    Two probes, either suffices: transformers' own ``DynamicCache(config=...)`` building a layer without a
+    ``keys`` / ``values`` pair (``LinearAttentionLayer`` and its mixed forms in transformers 5.x), and
+    ``config.layer_types`` naming a layer type that is not attention (releases whose DynamicCache builds K/V
+    layers for every layer and leaves the states to the model's own cache class).
+    """
+    config = getattr(config, "get_text_config", lambda: config)()
+    found: dict[int, str] = {}
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 - a config DynamicCache cannot size: the layer_types probe below decides
+        layers = []
+    for i, layer in enumerate(layers):
+        name = type(layer).__name__
+        if "LinearAttention" in name or hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
+            found[i] = name
+    for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if isinstance(kind, str) and kind not in KV_LAYER_TYPES + NO_CACHE_TYPES and i not in found:
+            found[i] = kind
+    for attr in ("layers_block_type", "hybrid_override_pattern"):  # Jamba / Bamba style names of the same thing
+        pattern = getattr(config, attr, None)
+        if isinstance(pattern, (list, tuple)):
+            for i, kind in enumerate(pattern):
+                if isinstance(kind, str) and kind not in KV_LAYER_TYPES + NO_CACHE_TYPES and i not in found:
+                    found[i] = kind
+    return [f"{i}: {found[i]}" for i in sorted(found)]
+
+
+def state_reason(config) -> str | None:
+    """A one-line reason naming the recurrent-state layers of ``config``, or None if every layer holds K/V."""
+    layers = state_layers(config)
+    if not layers:
+        return None
+    shown = ", ".join(layers[:4]) + (f", ... ({len(layers)} in all)" if len(layers) > 4 else "")
+    return (f"linear-attention / recurrent-state layers ({shown}) hold a state summing the whole prefix, not "
+            "per-token K/V: it cannot be cut, re-positioned or partly recomputed")

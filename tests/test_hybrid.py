@@ -1,0 +1,99 @@
+"""Linear-attention hybrids (Qwen3-Next / Qwen3.5 style): ReuseSession's default is plain ``generate``, never an
+error; every explicitly requested reuse refuses at construction, naming the model and its recurrent-state layers.
+
+Exactness: over several calls sharing prefixes, every answer of ``ReuseSession(model)`` equals plain ``generate``'s
+(tokens and every step's scores). Planted bug that makes it fail: in ``ReuseSession.generate`` drop the
+``self._state_reason`` branch (the session then takes its K/V path and raises on the linear-attention layer), or
+pass ``reason=None`` to it (the stats test fails).
+"""
+
+import functools
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvreuse import OptimisticCache, ReuseSession
+from hf_kvreuse.hybrid import state_layers
+
+LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+@functools.lru_cache(maxsize=None)
+def _model(kind: str):
+    try:
+        if kind == "qwen3_next":
+            from transformers.models.qwen3_next import Qwen3NextConfig as Cfg
+            extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32)
+        else:
+            from transformers.models.qwen3_5 import Qwen3_5TextConfig as Cfg
+            extra = {}
+        cfg = Cfg(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, layer_types=LAYERS, pad_token_id=0,
+                  eos_token_id=2, bos_token_id=1, **extra)
+    except Exception as e:  # noqa: BLE001 - an architecture missing from this transformers release
+        return f"{type(e).__name__}: {e}"
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(20.0)
+    m.generation_config.pad_token_id = 0
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def model(kind):
+    m = _model(kind)
+    if isinstance(m, str):
+        pytest.skip(f"{kind}: {m}")
+    return m
+
+
+KINDS = ["qwen3_next", "qwen3_5_text"]
+GEN = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_layers_found(kind):
+    m = model(kind)
+    assert [x.split(":")[0] for x in state_layers(m.config)] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_session_default_is_plain_generate(kind):
+    """Planted bug (module docstring): without the recurrent-state branch the first call raises."""
+    m = model(kind)
+    g = torch.Generator().manual_seed(1)
+    doc = torch.randint(3, 128, (1, 24), generator=g)
+    session = ReuseSession(m)
+    for turn in range(4):
+        role = torch.randint(3, 128, (1, 3 + turn), generator=g)
+        ids = torch.cat([doc, role], 1) if turn % 2 else torch.cat([role, doc], 1)
+        out = session.generate(ids, **GEN)
+        ref = m.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        st = session.last_stats
+        assert st.method == "full" and "linear-attention" in st.reason and "0: " in st.reason
+        assert len(session) == 0 and session.nbytes == 0  # nothing held it could not reuse exactly
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_explicit_reuse_refuses(kind):
+    m = model(kind)
+    name = type(m).__name__
+    for policy in ("optimistic", "prefix"):
+        with pytest.raises(ValueError, match=name):
+            ReuseSession(m, policy=policy)
+    session = ReuseSession(m)
+    with pytest.raises(ValueError, match="linear-attention"):
+        session.generate(torch.randint(3, 128, (1, 8)), policy="optimistic", max_new_tokens=2)
+    assert session.calls == 0
+    with pytest.raises(ValueError, match=f"{name}.*linear-attention"):
+        ids = torch.randint(3, 128, (1, 8))
+        OptimisticCache(m, ids, DynamicCache(), ids)
