@@ -81,8 +81,8 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
     (``exact_prefix_tokens`` = its length) although the answer moved the sliding windows past it; the held
     prompt-boundary rows equal plain prefill's.
 
-    Planted bug that fails it: ``WindowSnapshot.put`` copies at the third call instead of the second (the rows
-    after the first generated token: other rows than plain prefill of the prompt leaves)."""
+    Planted bug that fails it: ``WindowSnapshot.put`` copies at the third call instead of the second (the cache
+    then holds one row more than the prompt: no copy is taken, the next turn reuses nothing). Checked."""
     name = data.draw(st.sampled_from(sorted(SLIDING)))
     model = _model(name)
     doc = _toks(data, data.draw(st.integers(3, 3 * WINDOW)))
@@ -93,10 +93,13 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
     seed = data.draw(st.integers(0, 2 ** 16))
     session = ReuseSession(model)
     transcript = torch.empty(1, 0, dtype=torch.long)
-    last_prompt = {}
+    last_prompt, seen, last_ids = {}, {}, {}
     for rnd in range(2):
         for a in range(agents):
-            ids = torch.cat([roles[a], doc, transcript, torch.tensor([[3 + a]])], 1)
+            if rnd == 0:
+                ids = torch.cat([roles[a], doc, transcript, torch.tensor([[3 + a]])], 1)
+            else:  # its previous prompt, then what the others said since, then its cue
+                ids = torch.cat([last_ids[a], transcript[:, seen[a]:], torch.tensor([[3 + a]])], 1)
             kw = dict(max_new_tokens=new, do_sample=sample, output_logits=True, return_dict_in_generate=True)
             torch.manual_seed(seed)
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
@@ -105,7 +108,11 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
             assert torch.equal(out.sequences, ref.sequences), (name, rnd, a, session.last_stats)
             for x, y in zip(out.logits, ref.logits):
                 torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+            if rnd == 1:  # the whole previous prompt reused exactly, wherever the windows moved meanwhile
+                assert session.last_stats.exact_prefix_tokens >= last_prompt[a], (name, a, session.last_stats)
             last_prompt[a] = ids.shape[1]
+            last_ids[a] = ids
+            seen[a] = transcript.shape[1]
             answer = out.sequences[:, ids.shape[1]:]
             transcript = torch.cat([transcript, torch.tensor([[150 + a]]), answer[:, :2]], 1)
     for e in session._entries.values():
@@ -122,7 +129,7 @@ def test_next_turn_reuses_the_prompt_past_the_window():
     text after its prompt: exact prefix = the whole previous prompt, answer = plain generate.
 
     Planted bug that fails it: ``ReuseSession._generate`` does not consult ``boundary_kv`` (only the final rows
-    are tried: nothing reused)."""
+    are tried: nothing reused). Checked."""
     model = _model("gemma3_text") if not isinstance(_build("gemma3_text"), str) else _model("mistral")
     ids = torch.arange(10, 10 + 3 * WINDOW)[None]
     session = ReuseSession(model)
