@@ -54,7 +54,7 @@ POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "
 BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "focus", "latent")
 
 #: named reuse modes (the pipeline's and ``hf-kvreuse bench``'s ``method=`` names): every policy by its own name,
-#: plus the OptimisticCache variants of ``"auto"`` (issue 23's comparison, README "Verified drafts, the confidence
+#: plus the OptimisticCache variants of ``"auto"`` (the measured comparison, research notes "Verified drafts, the confidence
 #: gate and repair on Qwen", n = 50: verify kept 100% of final answers, gate 0.5 92% at 0.11x full TTFT, repair
 #: (blend 15%) 78% at 0.08x, plain commit 62% at 0.04x)
 MODES: dict[str, dict] = {
