@@ -90,7 +90,7 @@ def test_session_repr_and_new_tokens_one_meaning(llama):
     assert r.exact_prefix_tokens + r.donor_tokens + r.new_tokens == r.prompt_tokens
     assert r.cache_stats["reused_tokens"] + r.cache_stats["new_tokens"] == r.prompt_tokens
     text = repr(s)
-    assert text.startswith("ReuseSession(policy='auto'") and "calls=2" in text and "held=2 caches" in text
+    assert text.startswith("ReuseSession(policy='optimistic'") and "calls=2" in text and "held=2 caches" in text
     assert f"{st.new_tokens} new" in text and "max_bytes=2 GiB" in text
     assert f"cache_stats={{...{len(st.cache_stats)} fields}}" in repr(st) and "held_bytes=" in repr(st)
 
