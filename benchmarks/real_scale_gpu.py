@@ -222,9 +222,12 @@ def session_methods(run: Run, model, tok, name: str, weights: str, ctx: int, arg
                 r.update(first_verified_s=ttft, exact=True)
             else:
                 st = cache.stats if cache is not None else None
-                exact = method in ("prefix", "optimistic-verify")
-                fv = ttft if method == "prefix" else getattr(st, "first_verified_token_s", None)
-                r.update(first_verified_s=fv, exact=exact, identical=None if full is None else
+                exact = method == "prefix" or bool(getattr(st, "exact_output", False))
+                # the first token the caller receives is a verified one on the exact paths (the streamer sees
+                # verified tokens only); the first draft's time is the cache's draft_ttft_s
+                fv = ttft if exact else None
+                r.update(first_verified_s=fv, exact=exact, draft_ttft_s=getattr(st, "draft_ttft_s", None),
+                         identical=None if full is None else
                          bool(torch.equal(seq.to(full.device), full)),
                          stats=st.as_dict() if st is not None and hasattr(st, "as_dict") else None)
                 if full_ttft is not None and ttft:

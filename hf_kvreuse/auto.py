@@ -14,7 +14,12 @@ therefore
   (``ratio = measured / predicted``, for the first token and end to end);
 * tries verified drafts (at most ``explore_calls`` times per key) only where, even at a pessimistic ``prior``
   times prefix reuse's cost, the call is not slower than plain ``generate`` (the exact prefix is long enough);
-* afterwards picks them only while the median measured ratios are <= 1 (first token and end to end).
+* afterwards picks them only while the median measured ratios are <= 1 (first token and end to end);
+* runs plain prefill instead of exact prefix reuse where the prefix is too short to pay: a prefill behind a held
+  prefix attends through an explicit mask (not the causal kernel a fresh prefill uses), measured 3-10% slower per
+  token on a 2-core CPU, so a prefix of a few tokens (a chat template's header) made the first token later than
+  plain ``generate``'s. Before both kinds of exact call are measured a prefix must cover ``min_prefix_share`` of
+  the prompt; afterwards the measured per-token costs decide.
 
 Every choice comes with a reason (``SessionStats.reason``).
 """
@@ -30,6 +35,8 @@ import torch
 @dataclass
 class _Key:
     rates: list = field(default_factory=list)      # s per prefilled token (exact calls)
+    full_rates: list = field(default_factory=list)    # the same, calls without a held prefix
+    prefix_rates: list = field(default_factory=list)  # the same, calls behind a held exact prefix
     decode: list = field(default_factory=list)     # s per decoded token after the first (exact calls)
     ttft_ratio: list = field(default_factory=list)  # verified drafts' first token / prefix reuse's, predicted
     e2e_ratio: list = field(default_factory=list)
@@ -47,10 +54,13 @@ class AutoChooser:
         Verified-draft calls tried per device and thread count before the measured ratios decide alone.
     window : int, default=16
         Measurements kept per list (the latest).
+    min_prefix_share : float, default=0.1
+        Share of the prompt an exact prefix must cover for prefix reuse before its cost is measured.
     """
 
-    def __init__(self, prior: float = 2.0, explore_calls: int = 2, window: int = 16):
+    def __init__(self, prior: float = 2.0, explore_calls: int = 2, window: int = 16, min_prefix_share: float = 0.1):
         self.prior, self.explore_calls, self.window = prior, explore_calls, window
+        self.min_prefix_share = min_prefix_share
         self._keys: dict[tuple, _Key] = {}
 
     @staticmethod
@@ -65,11 +75,13 @@ class AutoChooser:
         values.append(float(x))
         del values[:-self.window]
 
-    def record_exact(self, device, new_tokens: int, ttft_s, total_s, generated: int) -> None:
-        """An exact prefill of ``new_tokens`` rows (``full`` / ``prefix``) took ``ttft_s`` to the first token."""
+    def record_exact(self, device, new_tokens: int, ttft_s, total_s, generated: int, past: int = 0) -> None:
+        """An exact prefill of ``new_tokens`` rows (``full`` / ``prefix``, behind ``past`` held rows) took ``ttft_s``
+        to the first token."""
         k = self._k(device)
         if ttft_s and new_tokens > 0:
             self._push(k.rates, ttft_s / new_tokens)
+            self._push(k.prefix_rates if past else k.full_rates, ttft_s / new_tokens)
         if total_s and ttft_s is not None and generated > 1:
             self._push(k.decode, (total_s - ttft_s) / (generated - 1))
 
@@ -112,3 +124,22 @@ class AutoChooser:
                           "exact prefix reuse")
         return False, (f"measured on {where}: verified drafts' first token {t:.2f}x and end to end {e:.2f}x of exact "
                        "prefix reuse: exact prefix reuse")
+
+    def prefix_pays(self, device, prompt_tokens: int, prefix_tokens: int) -> tuple[bool, str]:
+        """(reuse the exact prefix?, reason) for a call whose held exact prefix covers ``prefix_tokens`` of its
+        ``prompt_tokens``: False where plain prefill of the whole prompt is measured (or, unmeasured, expected) to
+        give the first token sooner."""
+        if prefix_tokens <= 0:
+            return False, "no exact prefix held"
+        k = self._k(device)
+        if k.full_rates and k.prefix_rates:
+            full = statistics.median(k.full_rates) * prompt_tokens
+            behind = statistics.median(k.prefix_rates) * (prompt_tokens - prefix_tokens)
+            if behind < full:
+                return True, f"exact prefix of {prefix_tokens} tokens: measured {behind:.3f} s vs {full:.3f} s plain"
+            return False, (f"exact prefix of {prefix_tokens} of {prompt_tokens} tokens: plain prefill measured sooner "
+                           f"({full:.3f} s vs {behind:.3f} s)")
+        if prefix_tokens >= self.min_prefix_share * prompt_tokens:
+            return True, f"exact prefix of {prefix_tokens} of {prompt_tokens} tokens"
+        return False, (f"exact prefix of {prefix_tokens} of {prompt_tokens} tokens is under "
+                       f"{self.min_prefix_share:.0%} of the prompt: plain prefill")

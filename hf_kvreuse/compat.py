@@ -1,4 +1,4 @@
-"""Differences between the transformers releases we support (4.57.1 and every 5.x up to 5.24; README, Tested
+"""Differences between the transformers releases we support (4.57.1 and every 5.x up to 5.24; docs: Tested
 versions). Everything that depends on the release lives here; the rest of the package calls these helpers.
 
 * the cache keyword of model forwards, ``generate`` and ``prepare_inputs_for_generation``: ``past_key_values``

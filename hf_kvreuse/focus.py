@@ -1,7 +1,7 @@
 """Focus rows: the rows of a reused block that mention what two prefixes disagree on.
 
 A block computed after one agent's prefix and reused after another's carries the first agent's focus in the rows
-its instructions pointed at (issue 25's diagnosis, ``research/latent/latent_rows_probe.py``: recomputing the 16 rows whose
+its instructions pointed at (the LatentRemedy diagnosis, ``research/latent/latent_rows_probe.py``: recomputing the 16 rows whose
 K/V deviate most from full prefill recovers far more than recomputing the block's last 16). Those rows cannot be
 found from the K/V without computing the block again, but on the conflicting-task workloads they are the rows
 that *mention* what the two instructions differ in ("report entry orchid" / "report entry quartz"): the words one

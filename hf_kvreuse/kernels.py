@@ -132,7 +132,7 @@ def rope_rebase(dst: torch.Tensor, src: torch.Tensor, delta: int | torch.Tensor,
         rope_rebase_torch(dst, src, delta, shifter)
 
 
-# --- row gather / scatter and token deviation (issue 11: hf_kvreuse.triton.gather_scatter, .deviation) ---
+# --- row gather / scatter and token deviation (hf_kvreuse.triton.gather_scatter, .deviation) ---
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -18,7 +18,7 @@ guarantee:
 twice (at positions ``0..T-1`` and ``d..d+T-1``) and comparing, layer by layer, with what the library derives.
 The result is cached per model object (and dtype / attention backend); the first cache built on a model pays
 one probe: the two positions in one batched forward plus one partial recompute, about two reads of the weights
-(the layer-range probe runs only when a layer-wise cache asks for it). Measured in README. Caches call
+(the layer-range probe runs only when a layer-wise cache asks for it). Measured in the research notes. Caches call
 :func:`require` and refuse at construction, with an error naming the model type and the failed check.
 """
 

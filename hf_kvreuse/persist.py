@@ -460,6 +460,28 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
     return session
 
 
+def chunk_from_record(model, meta: dict, tensors: dict[str, torch.Tensor], where: str):
+    """The :class:`~hf_kvreuse.chunk.KVChunk` a stored chunk record describes (``meta``: ``start``,
+    ``prefix_digest``, ``anchor_token``; ``tensors``: ``token_ids``, the K/V and the optional ``anchor.`` K/V),
+    every tensor checked against ``model``'s K/V layout; :class:`PersistedKVError` otherwise. Shared by every
+    chunk tier (the folder's :class:`DiskTier`, :class:`hf_kvreuse.stores.tiers.StoreTier`)."""
+    from .chunk import KVChunk
+
+    layout = kv_layout(model)
+    token_ids = tensors.get("token_ids")
+    if token_ids is None:
+        raise PersistedKVError(f"{where}: no 'token_ids' tensor")
+    kv = _kv_from(tensors)
+    check_kv(kv, layout, int(token_ids.numel()), where)
+    anchor = None
+    if any(k.startswith("anchor.") for k in tensors):
+        anchor = _kv_from(tensors, "anchor.")
+        check_kv(anchor, layout, 1, where + " (anchor)")
+        anchor = _to_devices(anchor, layout)
+    return KVChunk(token_ids.long().reshape(-1), _to_devices(kv, layout), start=int(meta["start"]),
+                   prefix_digest=meta["prefix_digest"], anchor=anchor, anchor_token=meta["anchor_token"])
+
+
 # -- ChunkStore disk tier -------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class DiskTier:
@@ -516,7 +538,6 @@ class DiskTier:
     def get(self, model, key: tuple):
         """The verified chunk stored under ``key``, or None. Raises :class:`PersistedKVError` for a stored chunk
         that fails its checks."""
-        from .chunk import KVChunk
 
         meta_path = self.folder / f"{self.name(key)}.json"
         try:
@@ -531,22 +552,11 @@ class DiskTier:
                                    f"of this hf_kvreuse (v{VERSION})")
         if [str(k) for k in meta.get("key", [])] != [str(k) for k in key]:
             raise PersistedKVError(f"{meta_path}: holds the chunk of another key")
-        layout = kv_layout(model)
-        token_ids = tensors.get("token_ids")
-        if token_ids is None:
-            raise PersistedKVError(f"{where}: no 'token_ids' tensor")
-        kv = _kv_from(tensors)
-        check_kv(kv, layout, int(token_ids.numel()), where)
-        anchor = None
-        if any(k.startswith("anchor.") for k in tensors):
-            anchor = _kv_from(tensors, "anchor.")
-            check_kv(anchor, layout, 1, where + " (anchor)")
-            anchor = _to_devices(anchor, layout)
+        chunk = chunk_from_record(model, meta, tensors, where)
         with contextlib.suppress(FileNotFoundError):
             os.utime(meta_path)  # recently used: the last to be evicted
         self.hits += 1
-        return KVChunk(token_ids.long().reshape(-1), _to_devices(kv, layout), start=int(meta["start"]),
-                       prefix_digest=meta["prefix_digest"], anchor=anchor, anchor_token=meta["anchor_token"])
+        return chunk
 
     def put(self, model, key: tuple, chunk) -> bool:
         """Write ``chunk`` under ``key`` (False when it alone exceeds ``max_bytes``), then delete the least

@@ -56,7 +56,7 @@ POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "
 BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "focus", "latent")
 
 #: named reuse modes (the pipeline's and ``hf-kvreuse bench``'s ``method=`` names): every policy by its own name,
-#: plus the OptimisticCache variants of ``"auto"`` (issue 23's comparison, README "Verified drafts, the confidence
+#: plus the OptimisticCache variants of ``"auto"`` (the measured comparison, research notes "Verified drafts, the confidence
 #: gate and repair on Qwen", n = 50: verify kept 100% of final answers, gate 0.5 92% at 0.11x full TTFT, repair
 #: (blend 15%) 78% at 0.08x, plain commit 62% at 0.04x)
 MODES: dict[str, dict] = {
@@ -518,14 +518,19 @@ class ReuseSession:
                 # span at token 0 is not one of the blocks it remedies
                 al = dataclasses.replace(al, spans=al.spans[1:], prefix_len=0)
         method, reason = policy, None
-        exact_method = "prefix" if prefix else "full"
+        exact_method, exact_reason = ("prefix" if prefix else "full"), None
+        if policy == "auto" and prefix:  # a prefix too short to pay: plain prefill (AutoChooser.prefix_pays)
+            pays, exact_reason = self.chooser.prefix_pays(ids.device, n, prefix)
+            exact_method = "prefix" if pays else "full"
         if prefix_only and policy == "auto":
             method = exact_method
             reason = ("beam search / several sequences: exact prefix reuse only" if not opts.stepwise else
                       "sliding-window layers: exact prefix reuse only" if any(self._windows) else
                       "offloaded weights cannot prefill in the background: exact prefix reuse only")
         elif policy == "auto":
-            method, reason = self._auto(ids, al, prefix, opts, kwargs)
+            method, reason = self._auto(ids, al, prefix, exact_method, opts, kwargs)
+        if policy == "auto" and method == "full" and exact_reason:
+            reason = reason.replace("exact prefix reuse", "plain prefill") + f" ({exact_reason})"
         elif policy in ("optimistic",) + BLOCK_POLICIES and (al is None or not al.spans):
             method = exact_method  # nothing held to reuse
             reason = "no held cache shares a span with the prompt"
@@ -571,7 +576,7 @@ class ReuseSession:
             stats.exact = stats.exact_output = False
         elif opts.sequences == 1:
             self.chooser.record_exact(ids.device, stats.new_tokens, stats.ttft_s, stats.total_s,
-                                      stats.generated_tokens)
+                                      stats.generated_tokens, past=stats.exact_prefix_tokens)
         with self._state:
             for key in used:  # recently useful caches are the last to go
                 if key in self._entries:
@@ -586,11 +591,12 @@ class ReuseSession:
         self.last_stats = stats
         return out
 
-    def _auto(self, ids: torch.Tensor, al: Alignment | None, prefix: int, opts, kwargs: dict) -> tuple[str, str]:
-        """``"auto"``'s choice for one call: ``(method, reason)`` (module docstring, :class:`~hf_kvreuse.auto.AutoChooser`)."""
+    def _auto(self, ids: torch.Tensor, al: Alignment | None, prefix: int, exact_method: str, opts,
+              kwargs: dict) -> tuple[str, str]:
+        """``"auto"``'s choice for one call: ``(method, reason)`` (module docstring, :class:`~hf_kvreuse.auto.AutoChooser`);
+        ``exact_method``: the exact path it falls back to (``"prefix"`` or ``"full"``)."""
         from .generation.options import replay_unsafe_call
 
-        exact_method = "prefix" if prefix else "full"
         n = ids.shape[1]
         donor_rows = (al.matched - al.prefix_len) if al is not None else 0
         if donor_rows < self.min_donor_tokens:

@@ -75,6 +75,35 @@ def test_auto_prefers_exact_prefix_until_drafts_measure_faster(llama, monkeypatc
     assert not drafts and "3.00x" in why
 
 
+def test_auto_runs_plain_prefill_behind_a_prefix_too_short_to_pay(llama):
+    """A held exact prefix of a few tokens (a chat template's header) does not pay for the explicit-mask prefill
+    behind it (measured 3-10% later first token on a 2-core CPU): "auto" runs plain prefill there and says why,
+    reuses a prefix covering enough of the prompt, and once both kinds of exact call are measured the measured
+    per-token costs decide. Answers equal plain generate's either way.
+
+    Planted bug that fails it: ``AutoChooser.prefix_pays`` always returns True (every held prefix is reused, the
+    6-token header included, as before this check)."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(3, 100, (1, 3), generator=g)
+    doc = torch.randint(3, 100, (1, 60), generator=g)
+    session = ReuseSession(llama)
+    session.generate(torch.cat([head, doc], 1), **GEN)
+    other = torch.cat([head, torch.randint(3, 100, (1, 60), generator=g)], 1)  # shares the 3-token header only
+    out = session.generate(other, **GEN)
+    st = session.last_stats
+    assert st.method == "full" and "plain prefill" in st.reason and st.exact_output, st
+    assert torch.equal(out, _plain(llama, other))
+    longer = torch.cat([head, doc, torch.randint(3, 100, (1, 8), generator=g)], 1)  # extends the first prompt
+    out = session.generate(longer, **GEN)
+    assert session.last_stats.method == "prefix" and torch.equal(out, _plain(llama, longer))
+    ch, dev = AutoChooser(), torch.device("cpu")
+    assert not ch.prefix_pays(dev, 100, 5)[0] and ch.prefix_pays(dev, 100, 20)[0]  # unmeasured: the share
+    ch.record_exact(dev, 100, 1.0, 1.0, 1)            # plain: 10 ms per token
+    ch.record_exact(dev, 50, 0.6, 0.6, 1, past=50)     # behind a prefix: 12 ms per token
+    assert not ch.prefix_pays(dev, 100, 15)[0]         # 85 x 12 ms > 100 x 10 ms
+    assert ch.prefix_pays(dev, 100, 20)[0]             # 80 x 12 ms < 100 x 10 ms
+
+
 def test_guidance_scale_runs_once_per_token(llama, monkeypatch):
     """Classifier-free guidance (``guidance_scale``, a processor with its own model calls and cache): the default
     session answers as plain generate does (it steps down to exact prefix reuse and says why, even where drafts

@@ -64,7 +64,7 @@ def test_session_repr_and_new_tokens_one_meaning(llama):
     Planted bug that fails it: ``OptimisticCache._assemble`` records ``new_tokens`` without the last prompt token
     (the count before this fix: SessionStats said 3 where cache_stats said 2); the session does not subtract the
     repaired rows from ``donor_tokens`` (the sum exceeds the prompt by them)."""
-    s = ReuseSession(llama, policy="auto", min_donor_tokens=8)
+    s = ReuseSession(llama, policy="optimistic", min_donor_tokens=8)
     assert "calls=0" in repr(s) and "held=0 caches" in repr(s)
     ids_a, ids_b = agent_prompts(3)
     s.generate(ids_a, agent="a", max_new_tokens=4, do_sample=False)
@@ -90,7 +90,7 @@ def test_session_repr_and_new_tokens_one_meaning(llama):
     assert r.exact_prefix_tokens + r.donor_tokens + r.new_tokens == r.prompt_tokens
     assert r.cache_stats["reused_tokens"] + r.cache_stats["new_tokens"] == r.prompt_tokens
     text = repr(s)
-    assert text.startswith("ReuseSession(policy='auto'") and "calls=2" in text and "held=2 caches" in text
+    assert text.startswith("ReuseSession(policy='optimistic'") and "calls=2" in text and "held=2 caches" in text
     assert f"{st.new_tokens} new" in text and "max_bytes=2 GiB" in text
     assert f"cache_stats={{...{len(st.cache_stats)} fields}}" in repr(st) and "held_bytes=" in repr(st)
 

@@ -36,7 +36,7 @@ def test_release_donor_keeps_held_caches(model):
     """``method_kwargs=dict(release_donor=True)``: the session's held entries keep their K/V, the next call that
     meets them equals plain ``generate``. Planted bug: the session hands its held entries' own K/V lists to the
     cache (``caches = [entries[d][1].kv ...]`` without the copy): the held K become empty, the next call fails."""
-    s = ReuseSession(model, method_kwargs=dict(release_donor=True), min_donor_tokens=8)
+    s = ReuseSession(model, policy="optimistic", method_kwargs=dict(release_donor=True), min_donor_tokens=8)
     a, b = _ids(40, 1), _ids(12, 2)
     s.generate(a, max_new_tokens=4, **GREEDY)
     held = [e.kv[0][0].shape[-2] for e in s._entries.values()]

@@ -13,7 +13,7 @@ from hf_kvreuse.kv import kv_of
 from hf_kvreuse.models import tiny_model
 from hf_kvreuse.rope import RopeShifter
 from hf_kvreuse.translation.mapper import run_source
-from hf_kvreuse.translation.scorers import make_scorer
+from hf_kvreuse.translation.selection import make_scorer
 from hf_kvreuse.translation.source_attention import SourceAttentionScorer, row_attention, source_queries
 
 SRC_KW = dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=3, num_key_value_heads=1,

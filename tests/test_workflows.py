@@ -19,14 +19,14 @@ EXACT = dict(max_optimistic_tokens=0)  # the exact cache before the first token:
 
 
 def test_fully_connected_auto_equals_full_and_reuses(smollm2):
-    """3 agents x 2 rounds, fully connected: with the exact cache swapped in before the first token, ``auto``
+    """3 agents x 2 rounds, fully connected: with the exact cache swapped in before the first token, ``optimistic``
     gives every answer of full prefill, while its later calls take most of their prompt from held caches.
 
     Planted bug that fails it: the background prefill starts at 0 with the exact prefix loaded (``range(0, ...)``
     in ``BackgroundPrefill._prefill``): the swapped-in cache holds the prefix twice and the answers change."""
     model, tok = smollm2
     full = run_workflow(ReuseSession(model, policy="full"), tok, DOC, QUESTION, rounds=2, max_new_tokens=8)
-    auto = run_workflow(ReuseSession(model, policy="auto", method_kwargs=EXACT), tok, DOC, QUESTION, rounds=2,
+    auto = run_workflow(ReuseSession(model, policy="optimistic", method_kwargs=EXACT), tok, DOC, QUESTION, rounds=2,
                         max_new_tokens=8)
     assert [t.answer for t in auto.turns] == [t.answer for t in full.turns]
     assert auto.final == full.final and len(auto.turns) == 6
@@ -73,7 +73,7 @@ def test_pipeline_method_list_equals_separate_calls(smollm2):
     model, tok = smollm2
     msgs = [[{"role": "system", "content": role}, {"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
             for role in ("You are a researcher.", "You are a strict critic.", "You are a writer.")]
-    kw = dict(method="auto", method_kwargs=EXACT, max_new_tokens=10, do_sample=False)
+    kw = dict(method="optimistic", method_kwargs=EXACT, max_new_tokens=10, do_sample=False)
     pipe = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)
     together = pipe(msgs, **kw)
     pipe2 = pipeline("kvreuse-text-generation", model=model, tokenizer=tok)

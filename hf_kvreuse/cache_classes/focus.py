@@ -4,7 +4,7 @@ block's donor prefix disagree on (:mod:`hf_kvreuse.focus`), then the block's tai
 When two agents read one block under different instructions ("report entry orchid" / "report entry quartz"), the
 block's K/V carry the donor's focus in the rows its instructions pointed at; the rows that mention the differing
 words are where both agents' focus sits. Measured on Qwen2.5-Coder-0.5B's conflicting-task dev records
-(``research/latent/latent_rows_probe.py``, README "Conflicting tasks"). This project's heuristic, not a paper's; at a given
+(``research/latent/latent_rows_probe.py``, research notes: LatentRemedy and FocusRecompute). This project's heuristic, not a paper's; at a given
 ``k`` it costs what Tail-k costs (the same number of rows in the same one forward) plus two short tokenizer decodes
 per token of the block and prefixes.
 """

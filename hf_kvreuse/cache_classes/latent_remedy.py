@@ -78,8 +78,8 @@ class LatentRemedyCache(BlockReuseCache):
         mention what the own prefix and the block's donor prefix disagree on (:mod:`hf_kvreuse.focus`, as
         :class:`~hf_kvreuse.cache_classes.focus.FocusRecomputeCache`), the rest to its tail. Give the model's
         tokenizer; ``None`` (default): the tail only. ``stats.focus_rows`` counts them. Measured with the shipped
-        bridge (trained with Tail-16): 31 accuracy points below the focus rows without latents (README,
-        "Conflicting tasks", fifth round), so for that checkpoint prefer ``FocusRecomputeCache``.
+        bridge (trained with Tail-16): 31 accuracy points below the focus rows without latents (research notes,
+        LatentRemedy and FocusRecompute), so for that checkpoint prefer ``FocusRecomputeCache``.
     focus_window : int, default=8
         With ``focus``: tokens after each occurrence of a differing word recomputed with it.
     fuse_first_step : bool, default=True

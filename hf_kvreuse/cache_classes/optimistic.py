@@ -10,7 +10,7 @@ algorithm of METHODS.md §2.1, whose details are our reading of the abstract). A
    causally to the stale cache (:func:`hf_kvreuse.generation.partial.partial_forward`). By default
    (``fuse_first_step``) they are computed in the same forward as the first decode step, with the last prompt
    token as one more row: first token ≈ one forward over the unmatched tokens (a separate decode step costs a
-   whole pass over the weights: ~0.17 s of ~0.78 s on Qwen2.5-0.5B fp32 on this CPU, README issue 23).
+   whole pass over the weights: ~0.17 s of ~0.78 s on Qwen2.5-0.5B fp32 on this CPU, research notes).
 3. Foreground decoding starts at once from that cache, while the exact prefill of the prompt runs in the
    background (:class:`hf_kvreuse.generation.background.BackgroundPrefill`); when a donor is known to be an
    exact cache (``donor_exact``), the exact prefill starts after the common prefix with it.
@@ -131,7 +131,7 @@ class OptimisticStats:
     draft_margins : list of float
         Top-1 minus top-2 probability of the call's processed scores at every step decided from the optimistic
         cache (drafts under ``"verify"``), in order. With ``first_divergence`` / ``accepted_tokens`` it tells
-        offline what any ``gate=`` threshold would have done to this call (README's gate curve). Recorded with
+        offline what any ``gate=`` threshold would have done to this call (the gate curve in the research notes). Recorded with
         ``record_divergence=True`` (the default) or a gate.
     """
 
@@ -205,7 +205,7 @@ class OptimisticCache(KVReuseCache):
         after the first token under ``"commit"`` on CPU, where both compete for the same cores and starting early
         would delay the first token. Under ``"verify"`` a streamer sees only verified tokens, so the first one that
         counts is the first verified token, which an early start brings forward (2-core CPU, Qwen2.5-0.5B, 54
-        calls: 0.78x in the median optimistic call; README, issue 23).
+        calls: 0.78x in the median optimistic call; research notes).
     background_chunk_tokens : int, optional
         Prefill the exact cache in chunks of this size; between chunks the job checks for cancellation and, on
         CPU, takes all cores once the foreground waits for it. Default: one forward (chunked prefill is 10-30%

@@ -103,8 +103,8 @@ class TranslatedCache(KVReuseCache):
         ``"question-words"`` (needs ``tokenizer``), ``"first-layer"``, ``"rank"``, ``"first-layer+rank"``,
         ``"random"``, ``"question-attention"``, or a Scorer (``"oracle"`` needs an
         :class:`~hf_kvreuse.translation.scorers.OracleScorer` built with the target's true K/V). ``"auto"``:
-        ``"question-words"`` when ``tokenizer`` is given, else ``"first-layer"``. Chosen by measurement (README,
-        issue 24) on the Qwen 0.5B -> 1.5B pair at ratio 0.3, n = 100 SQuAD questions, fp32: the context rows near
+        ``"question-words"`` when ``tokenizer`` is given, else ``"first-layer"``. Chosen by measurement (research notes,
+        TranslatedCache) on the Qwen 0.5B -> 1.5B pair at ratio 0.3, n = 100 SQuAD questions, fp32: the context rows near
         several of the question's rarer words first, then first-layer deviation, retain 78% of the target's
         accuracy, +21 points [+10, +31] over first-layer deviation alone (52%), which itself retained +23 points
         more than rank disagreement (bf16 run). The scorers that run the target's layers 0-1 for every row (both
@@ -162,7 +162,7 @@ class TranslatedCache(KVReuseCache):
         enable(model)
         self.source_model, self.mapper = source_model, mapper
         self.recompute_ratio, self.sink_tokens, self.suffix_tokens = recompute_ratio, sink_tokens, suffix_tokens
-        if selector == "auto":  # measured best (README, issue 24): the question's words need the tokenizer
+        if selector == "auto":  # measured best (research notes): the question's words need the tokenizer
             selector = "question-words" if tokenizer is not None else "first-layer"
         self.scorer = make_scorer(selector, mapper, seed=seed, tokenizer=tokenizer)
         self._src_shifter = RopeShifter(source_model, layout=src_check.rope_layout)

@@ -2,7 +2,7 @@
 
 "An MLP maps the last hidden state of the target prefix into a small number of latent tokens, which are placed
 after the reused KV block to interact with the shared context", trained by full-prefill distillation with the
-LLM frozen. The abstract gives no sizes; the choices here (measured in README):
+LLM frozen. The abstract gives no sizes; the choices here (measured in the research notes):
 
 * ``h``: the hidden state of the prefix's last token after the final norm (``hidden_layer=-1``, what the LM
   head reads), or after decoder layer ``hidden_layer``;
@@ -20,7 +20,7 @@ default the attention's ``q/k/v/o``) in every decoder layer, **active on the lat
 returned cache are the model's; only the latents' K/V, and through them what later rows read, change. ``B``
 starts at zero: an untrained LoRA is a no-op (tested).
 
-``donor=True`` (an ablation of issue 25, not in the paper) also reads the prefix the reused block was computed under
+``donor=True`` (an ablation, not in the paper) also reads the prefix the reused block was computed under
 (the donor agent's instructions), with the same read-out, and feeds both to the MLP: the block's K/V carry the
 donor's focus, and a bridge that sees only the target's own prefix cannot know which focus it has to undo.
 """

@@ -147,7 +147,10 @@ def zoo_config(model_type: str, **overrides):
     known = params | set(getattr(cls, "attribute_map", {}) or {})
     spec = dict(SPECS[model_type])
     attn = spec.pop("attn", "sdpa")
-    wanted = {**COMMON, **spec, **overrides}
+    from ..compat import config_kwargs
+
+    # rope_parameters (5.x) become rope_scaling + rope_theta on 4.x: a variant is the same model on every release
+    wanted = config_kwargs({**COMMON, **spec, **overrides})
     kwargs = {}
     for key, value in wanted.items():
         if value is None and key in spec:

@@ -65,8 +65,7 @@ class StoreTier:
 
     def get(self, model, key: tuple):
         """The verified chunk of ``key``, or None (absent, evicted, server down, or refused)."""
-        from ..chunk import KVChunk
-        from ..persist import PersistedKVError, _kv_from, _to_devices, check_kv, kv_layout
+        from ..persist import PersistedKVError, chunk_from_record
 
         ns, name = self._ns_key(key)
         try:
@@ -86,22 +85,11 @@ class StoreTier:
         try:
             if [str(k) for k in meta.get("key", [])] != [str(k) for k in key]:
                 raise PersistedKVError(f"{where}: holds the chunk of another key")
-            layout = kv_layout(model)
-            token_ids = tensors.get("token_ids")
-            if token_ids is None:
-                raise PersistedKVError(f"{where}: no 'token_ids' tensor")
-            kv = _kv_from(tensors)
-            check_kv(kv, layout, int(token_ids.numel()), where)
-            anchor = None
-            if any(k.startswith("anchor.") for k in tensors):
-                anchor = _kv_from(tensors, "anchor.")
-                check_kv(anchor, layout, 1, where + " (anchor)")
-                anchor = _to_devices(anchor, layout)
-        except PersistedKVError as e:
+            chunk = chunk_from_record(model, meta, tensors, where)
+        except (PersistedKVError, KeyError, TypeError, ValueError) as e:
             return self._refuse(ns, name, e)
         self.hits += 1
-        return KVChunk(token_ids.long().reshape(-1), _to_devices(kv, layout), start=int(meta["start"]),
-                       prefix_digest=meta["prefix_digest"], anchor=anchor, anchor_token=meta["anchor_token"])
+        return chunk
 
     def _refuse(self, ns: str, name: str, e: Exception):
         logger.error("hf_kvreuse chunk store %r: entry %s/%s refused (recomputed): %s", self.backend, ns, name, e)
@@ -162,30 +150,13 @@ class KVEntryStore:
 
     def put(self, identity, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor,
             exact_len: int | None = None, written_by: str = "hf_kvreuse"):
-        import time
-
         from .. import safe_files
-        from ..vllm.identity import ModelMismatchError
-        from ..vllm.store import FORMAT, entry_id
+        from ..vllm.store import entry_meta
 
-        token_ids = [int(t) for t in token_ids]
-        n = len(token_ids)
-        if k.dim() != 4 or k.shape != v.shape or k.shape[2] != n:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [layers, kv_heads, {n}, "
-                             "head_dim] for the given tokens")
-        exact_len = n if exact_len is None else int(exact_len)
-        if not 0 <= exact_len <= n:
-            raise ValueError(f"exact_len={exact_len} outside 0..{n}")
-        dtype = str(k.dtype).removeprefix("torch.")
-        if dtype != identity.dtype:
-            raise ModelMismatchError(f"K/V of dtype {dtype} stored under a model identity of dtype {identity.dtype}")
-        eid = entry_id(identity, token_ids)
+        eid, meta = entry_meta(identity, token_ids, k, v, exact_len, written_by)
         old = self.info(eid, identity)
-        if old is not None and old.exact_len >= exact_len:
+        if old is not None and old.exact_len >= meta["exact_len"]:
             return old
-        meta = {"format": FORMAT, "model": identity.as_dict(), "token_ids": token_ids, "exact_len": exact_len,
-                "layers": int(k.shape[0]), "kv_heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "dtype": dtype,
-                "written_by": written_by, "created": time.time()}
         meta = safe_files.sign(meta)
         try:
             self.backend.put(self._ns(identity), eid, meta, {"k": k.detach(), "v": v.detach()})

@@ -21,7 +21,7 @@ The same pass also records, per target (layer, head, kind), the covariance of th
 ``C_yhat = W^T C_xx W`` and the right singular vectors of ``W``: the output directions the calibration data
 supports strongly or weakly, read by :class:`~hf_kvreuse.translation.scorers.RankDisagreementScorer`.
 
-Choices beyond the sources (documented, measured in README): the first ``skip_first`` positions of each
+Choices beyond the sources (documented, measured in the research notes): the first ``skip_first`` positions of each
 calibration sequence are left out (attention-sink tokens have outlier K/V and are always recomputed online),
 and the pair's identity is checked on load (configs and a weight fingerprint: the same architecture with other
 weights is another pair).

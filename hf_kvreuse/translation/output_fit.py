@@ -1,7 +1,7 @@
-"""Output-level fitting of a :class:`~hf_kvreuse.translation.KVMapper` (issue 24, item 2d).
+"""Output-level fitting of a :class:`~hf_kvreuse.translation.KVMapper`.
 
 The closed-form maps minimise the K/V reconstruction error, which is not what decides the answers (the K/V-error
-oracle retains 62% at a 30% recompute budget, README "Cross-model: TranslatedCache"). Here the maps start from
+oracle retains 62% at a 30% recompute budget, research notes: TranslatedCache). Here the maps start from
 that closed form and are fine-tuned so that the *frozen* target, reading the mapped cache, predicts what its own
 full prefill predicts: the KL divergence from the full prefill's next-token distribution to the mapped cache's,
 on the teacher's greedy answer tokens of calibration prompts (teacher forcing). KV Prediction (Horton et al. 2024,

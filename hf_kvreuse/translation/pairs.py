@@ -5,7 +5,7 @@ builds the calibration set from **DROP** passages and questions (Wikipedia text 
 the evaluation, but another dataset: the SQuAD evaluation items are never seen), fits the map with a tqdm bar and
 saves it (safetensors + JSON) under ``$HF_KVREUSE_CACHE/maps/``. Later calls load it and check the pair.
 ``prompts=`` (CLI ``--prompts FILE.jsonl``) calibrates on the user's own prompts instead: on this pair, prompts of
-the task's own domain (other SQuAD articles) gave the best held-out attention-output cosine measured (issue 24).
+the task's own domain (other SQuAD articles) gave the best held-out attention-output cosine measured (research notes, TranslatedCache).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .mapper import KVMapper
 QWEN_PAIR = "qwen2.5-coder-0.5b-to-1.5b"
 DEFAULT_INPUTS = "kv"  # the kind qwen_pair_mapper() loads or fits: it needs only a source cache (model switch)
 # the kind `python -m hf_kvreuse.translation fit` makes by default: the best measured on held-out SQuAD prompts
-# (issue 24, README "Cross-model: TranslatedCache": attention-output cosine 0.847 vs 0.830 for "kv" on the same
+# (research notes, TranslatedCache: attention-output cosine 0.847 vs 0.830 for "kv" on the same
 # calibration rows, R² K 0.77 / V 0.60 vs 0.74 / 0.53); TranslatedCache then needs the source's hidden states
 FIT_DEFAULT_INPUTS = "kv+hidden"
 # relative ridge penalty per kind, as measured best in those ablations (the hidden kinds overfit at 0.01: held-out

@@ -1,15 +1,15 @@
-"""Question-aware selection for :class:`~hf_kvreuse.cache_classes.translated.TranslatedCache` (issue 24).
+"""Question-aware selection for :class:`~hf_kvreuse.cache_classes.translated.TranslatedCache`.
 
 The K/V-error scorers (:mod:`hf_kvreuse.translation.scorers`) recompute the rows the maps explain worst. On the
 Qwen 0.5B -> 1.5B pair that is not what decides the answers: even the true-error oracle keeps only 62% of the
-target's accuracy at ratio 0.3 (README, "Cross-model"), because the error is spread over every row. What the
+target's accuracy at ratio 0.3 (research notes: TranslatedCache), because the error is spread over every row. What the
 answer needs exact is the part of the context the question is about. Two ways to find it before the target runs
 the selected rows, each spending a ``share`` of the free budget (after the forced sinks and question rows) on its
 rows and the rest on a base scorer (first-layer deviation by default):
 
 * :class:`QuestionWordScorer` (``selector="question-words"``, the default when the cache gets the tokenizer): the
   context rows near several of the question's rarer words, densest first; no model runs. This project's heuristic
-  (as the focus rows of issue 25). Measured (README, issue 24, n = 100 SQuAD questions, ratio 0.3): 78% of the
+  (as FocusRecomputeCache's focus rows). Measured (research notes, TranslatedCache, n = 100 SQuAD questions, ratio 0.3): 78% of the
   target's accuracy against 52% for first-layer deviation alone, +21 points [+10, +31] paired.
 * :class:`QuestionAttentionScorer`: SnapKV's observation (Li et al., 2024, "SnapKV: LLM Knows What You Are
   Looking for Before Generation", arXiv 2404.14469): the attention of the prompt's last rows (here the question,

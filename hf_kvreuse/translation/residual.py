@@ -8,7 +8,7 @@ target layer ``t`` gains a correction on the union ``x`` of the source blocks it
 
 trained with Adam on the calibration rows' residuals ``y - linear(x)`` (each output column scaled by its residual's
 standard deviation, so that value and key columns weigh alike). ``U`` starts at zero: before the first step the map
-is the linear one. Issue 24, deliverable 2c; measured in README ("Cross-model: TranslatedCache").
+is the linear one. Measured in the research notes (TranslatedCache).
 """
 
 from __future__ import annotations

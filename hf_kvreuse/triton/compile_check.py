@@ -55,7 +55,7 @@ TARGETS = {"sm_80": sizing.Target((8, 0), sizing.SMEM_OPTIN[(8, 0)]),
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 80, 96, 128, 256)
 #: spilled bytes per thread tolerated: a few stack slots where ptxas stops near its register cap (8 warps: 128
-#: registers per thread in some kernels); float32 launches before issue 22 spilled up to 77 KB per thread
+#: registers per thread in some kernels); float32 launches of earlier kernel versions spilled up to 77 KB per thread
 SPILL_LIMIT = 64
 
 
@@ -77,7 +77,7 @@ class Case:
 
 def cases(full: bool = True) -> list[Case]:
     """Every case (``full``) or the representative subset (``fast``: each kernel at its heaviest shapes, among
-    them the two float32 launches that did not fit before issue 22).
+    them the two float32 launches that did not fit in earlier kernel versions).
 
     Head dims 80 and 96 compile to head dim 128's kernel (padded to 128, divisible by 16: the same specialisation),
     so they cost nothing once 128 is compiled; float16 has bfloat16's element size and tiles and is compiled at

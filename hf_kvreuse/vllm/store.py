@@ -71,6 +71,28 @@ def entry_id(identity: ModelIdentity, token_ids: Sequence[int]) -> str:
     return h.hexdigest()[:32]
 
 
+def entry_meta(identity: ModelIdentity, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+               exact_len: int | None = None, written_by: str = "hf_kvreuse") -> tuple[str, dict]:
+    """``(entry id, JSON fields)`` of the K/V of ``token_ids`` (``k``, ``v``: ``[layers, kv_heads, tokens,
+    head_dim]``) under ``identity``, after the shapes, ``exact_len`` and the dtype are checked. Every store of
+    this format (the folder's :class:`KVDirStore`, :class:`hf_kvreuse.stores.tiers.KVEntryStore`) writes these."""
+    token_ids = [int(t) for t in token_ids]
+    n = len(token_ids)
+    if k.dim() != 4 or k.shape != v.shape or k.shape[2] != n:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [layers, kv_heads, {n}, "
+                         "head_dim] for the given tokens")
+    exact_len = n if exact_len is None else int(exact_len)
+    if not 0 <= exact_len <= n:
+        raise ValueError(f"exact_len={exact_len} outside 0..{n}")
+    dtype = str(k.dtype).removeprefix("torch.")
+    if dtype != identity.dtype:
+        raise ModelMismatchError(f"K/V of dtype {dtype} stored under a model identity of dtype {identity.dtype}")
+    meta = {"format": FORMAT, "model": identity.as_dict(), "token_ids": token_ids, "exact_len": exact_len,
+            "layers": int(k.shape[0]), "kv_heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "dtype": dtype,
+            "written_by": written_by, "created": time.time()}
+    return entry_id(identity, token_ids), meta
+
+
 class KVDirStore:
     """Entries of one folder: write, index (longest exact prefix, donors) and verified reads.
 
@@ -94,21 +116,8 @@ class KVDirStore:
 
         ``exact_len`` (default: every row): how many leading rows are exactly what a plain prefill computes.
         """
-        token_ids = [int(t) for t in token_ids]
-        n = len(token_ids)
-        if k.dim() != 4 or k.shape != v.shape or k.shape[2] != n:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [layers, kv_heads, {n}, "
-                             "head_dim] for the given tokens")
-        exact_len = n if exact_len is None else int(exact_len)
-        if not 0 <= exact_len <= n:
-            raise ValueError(f"exact_len={exact_len} outside 0..{n}")
-        dtype = str(k.dtype).removeprefix("torch.")
-        if dtype != identity.dtype:
-            raise ModelMismatchError(f"K/V of dtype {dtype} stored under a model identity of dtype {identity.dtype}")
-        eid = entry_id(identity, token_ids)
-        meta = {"format": FORMAT, "model": identity.as_dict(), "token_ids": token_ids, "exact_len": exact_len,
-                "layers": int(k.shape[0]), "kv_heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "dtype": dtype,
-                "written_by": written_by, "created": time.time()}
+        eid, meta = entry_meta(identity, token_ids, k, v, exact_len, written_by)
+        exact_len = meta["exact_len"]
         old = self.info(eid)
         if old is not None and old.exact_len >= exact_len and old.identity.key == identity.key:
             return old  # the same rows are there, at least as exact

@@ -18,7 +18,7 @@ Every family's answers are checkable by construction (seeded generators, no mode
 * ``schedule``: each agent reports the time of its own event in a timetable;
 * ``squad-pair``: a real SQuAD passage with two of its questions whose answers differ; each agent's prefix
   carries its own question;
-* issue 25: ``phonebook`` (name -> extension, dotted leaders), ``prices`` (markdown table), ``gates`` (flight ->
+* more layouts: ``phonebook`` (name -> extension, dotted leaders), ``prices`` (markdown table), ``gates`` (flight ->
   gate sentences), ``specs`` (spec-sheet fields), ``json`` (a JSON object), ``rooms`` (guest -> room sentences),
   ``code`` (Python functions returning constants), ``narrative`` (a prose story), ``minmax`` (most vs fewest units),
   ``inverse`` (value -> key).
@@ -33,7 +33,7 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-# chosen by the screens in README (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
+# chosen by the screens in the research notes (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
 # direct reuse loses >= 15 points. Held out: retrieval and extract (lookup list, record card) and code (Python
 # source: another shape than every training family); the others (utility, count, gates, minmax, inverse, narrative:
 # the model cannot do them with full prefill; order, years, specs: reuse keeps most answers; json, rooms: not
@@ -222,7 +222,7 @@ def _years_records(seed: int, n: int) -> list[ConflictRecord]:
     return out
 
 
-# -- more families (issue 25): other layouts and field pairs, and a prose family of another shape -------------
+# -- more families: other layouts and field pairs, and a prose family of another shape -------------
 _PEOPLE = _NAMES + ("Ada", "Boris", "Clara", "Diego", "Elif", "Femi", "Greta", "Hugo", "Ines", "Jonas", "Kira",
                     "Luca", "Mina", "Nils", "Olga", "Pavel")
 _MATERIALS = ("steel", "oak", "glass", "cotton", "bamboo", "leather", "copper", "wool", "marble", "nylon")

@@ -10,7 +10,7 @@ readings: ``suffix`` (the marked suffix rows, the selector's default), ``last`` 
 (the suffix minus as many rows just before it). The layers are then ranked, and the sum over the best ``k`` is
 scored the same way for k = 1, 2, 4, 8, all. Writes one JSON (config, seed, commit, figures).
 
-    python scripts/translated_source_layers.py --n 40 --offset 500 \\
+    python research/translated/translated_source_layers.py --n 40 --offset 500 \\
         --out benchmarks/results/translated_source_layers.json
 """
 
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
         print(v, "per layer:", {s: round(x, 3) for s, x in per_layer.items()})
         print(v, "best k:", {k: round(b["recall"], 3) for k, b in variants[v]["best_k"].items()}, flush=True)
     chance = a.budget
-    res = {"command": "python scripts/translated_source_layers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python research/translated/translated_source_layers.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         cwd=HERE).stdout.strip(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a), "seed": None,
