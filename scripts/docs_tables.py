@@ -107,6 +107,8 @@ TABLES = [
     ("FocusRecompute TTFT at 1k, 4k and 8k-token blocks", "latent_ttft_focus_qwen2.5-0.5b.json",
      lambda p: _bench("latent_ttft").markdown(str(p)), "../methods/focus-recompute.md"),
     ("vLLM fresh vs vLLM with the connector", "vllm_connector.json", _vllm, "../guide/vllm.md"),
+    ("The default (ReuseSession 'auto') against plain generate, SmolLM2-135M, 1 and 2 threads", "defaults_vs_plain.json",
+     lambda p: _bench("defaults_vs_plain").table(json.loads(p.read_text())), "../defaults.md"),
 ]
 
 
