@@ -245,6 +245,13 @@ def entry_to_record(entry) -> tuple[dict[str, torch.Tensor], dict]:
         if isinstance(value, torch.Tensor):
             tensors[f"field.{f.name}"] = value
             continue
+        if f.name == "marks":  # {m: per layer (K, V) or None}: the rows as tensors, the layer count as JSON
+            for m, rows in value.items():
+                for i, r in enumerate(rows):
+                    if r is not None:
+                        tensors[f"mark.{int(m)}.{i}.k"], tensors[f"mark.{int(m)}.{i}.v"] = r
+            meta["marks"] = {str(int(m)): len(rows) for m, rows in value.items()}
+            continue
         try:
             json.dumps(value)
         except TypeError:
@@ -270,6 +277,8 @@ def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, l
     for name, t in tensors.items():
         if name.startswith("field."):
             values[name[len("field."):]] = t
+    if "marks" in values:
+        values["marks"] = _marks_from(tensors, values["marks"], n, layout, windows, where)
     kwargs = {}
     for f in dataclasses.fields(entry_cls):
         if f.name in ("ids", "kv", "nbytes"):
@@ -278,7 +287,42 @@ def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, l
             kwargs[f.name] = values[f.name]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise PersistedKVError(f"{where}: the saved entry has no field {f.name!r} (saved by an older hf_kvreuse?)")
-    return entry_cls(ids=ids, kv=kv, nbytes=_storage_bytes(kv), **kwargs)
+    nbytes = _storage_bytes(kv) + sum(t.numel() * t.element_size() for rows in kwargs.get("marks", {}).values()
+                                      for r in rows if r is not None for t in r)
+    return entry_cls(ids=ids, kv=kv, nbytes=nbytes, **kwargs)
+
+
+def _marks_from(tensors: dict[str, torch.Tensor], saved, n: int, layout: KVLayout,
+                windows: Sequence[int | None] | None, where: str) -> dict:
+    """An entry's prompt-boundary rows (``_Entry.marks``) from ``mark.<m>.<layer>.k|v`` tensors, each checked
+    as the rows a cache of the first ``m`` tokens keeps in that sliding-window layer."""
+    windows = list(windows or [None] * layout.layers)
+    if not isinstance(saved, dict):
+        raise PersistedKVError(f"{where}: field 'marks' is {type(saved).__name__}, not a dict")
+    marks = {}
+    for key, layers in saved.items():
+        try:
+            m = int(key)
+        except ValueError:
+            raise PersistedKVError(f"{where}: prompt boundary {key!r} is not a token count") from None
+        if not 0 < m <= n or layers != layout.layers:
+            raise PersistedKVError(f"{where}: prompt boundary {m} ({layers} layers) does not fit an entry of {n} tokens "
+                                   f"and {layout.layers} layers")
+        rows = []
+        for i, w in enumerate(windows):
+            k, v = tensors.get(f"mark.{m}.{i}.k"), tensors.get(f"mark.{m}.{i}.v")
+            if w is None:
+                if k is not None or v is not None:
+                    raise PersistedKVError(f"{where}: prompt boundary {m} holds rows of full-attention layer {i}")
+                rows.append(None)
+                continue
+            if k is None or v is None:
+                raise PersistedKVError(f"{where}: prompt boundary {m} has no rows of sliding-window layer {i}")
+            sub = KVLayout(shapes=(layout.shapes[i],), dtype=layout.dtype, devices=(layout.devices[i],))
+            check_kv([(k, v)], sub, min(m, w - 1), f"{where} prompt boundary {m} (layer {i})")
+            rows.append(_to_devices([(k, v)], sub)[0])
+        marks[m] = rows
+    return marks
 
 
 # -- ReuseSession ---------------------------------------------------------------------------------------------------

@@ -207,12 +207,19 @@ def test_release_kv_on_a_list():
 
 
 def test_peak_memory_sees_a_transient_allocation():
-    """PeakMemory (CPU): a 64 MiB tensor touched and freed inside the block shows as peak, not as end growth."""
+    """PeakMemory (CPU): 64 MiB touched and freed inside the block shows as peak, not as end growth.
+
+    The buffer is an anonymous mapping unmapped at ``close``, so the allocator's policy (a heap that keeps freed
+    memory, a raised mmap threshold after earlier tests) cannot hold it past the block."""
+    import mmap
+
     malloc_trim()
     with PeakMemory(interval_s=0.001) as mem:
-        x = torch.ones(16 * 2**20)  # 64 MiB, written
+        buf = mmap.mmap(-1, 64 * 2**20)
+        for off in range(0, len(buf), mmap.PAGESIZE):
+            buf[off] = 1  # touch every page: resident
         time.sleep(0.05)  # at least one sample while it is alive
-        del x
+        buf.close()
     assert mem.peak_bytes >= 60 * 2**20
     assert mem.end_bytes < 32 * 2**20
     assert mem.samples > 0

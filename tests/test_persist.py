@@ -285,7 +285,8 @@ def test_sliding_window_session_round_trip(tmp_path):
     reuses them as an exact prefix with plain generate's tokens and logits.
 
     Planted bug that fails it: ``entry_from_record`` checks every layer for one row per token (the check before
-    sliding-window sessions): the load raises PersistedKVError "layer 2 K has shape (1, 2, 7, 16)"."""
+    sliding-window sessions): the load raises PersistedKVError "layer 2 K has shape (1, 2, 7, 16)". Another:
+    ``entry_to_record`` skips the ``marks`` field (the prompt boundary is lost): the boundary assertion fails."""
     from test_reliability import SLIDING, _sliding_model
 
     assert "qwen2" in SLIDING
@@ -299,6 +300,12 @@ def test_sliding_window_session_round_trip(tmp_path):
     assert min(k.shape[-2] for k, _ in b.kv) < a.ids.numel()  # the sliding layers hold fewer rows
     for (k1, v1), (k2, v2) in zip(a.kv, b.kv):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    # the prompt boundary (sliding layers' rows at the end of the prompt) comes back too, row for row
+    assert list(a.marks) == list(b.marks) == [20]
+    for r1, r2 in zip(a.marks[20], b.marks[20]):
+        assert (r1 is None) == (r2 is None)
+        if r1 is not None:
+            assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1])
     ids = torch.cat([out, toks(4, 5)], 1)
     got = loaded.generate(ids, return_dict_in_generate=True, output_logits=True, **GEN)
     ref = plain(m, ids, return_dict_in_generate=True, output_logits=True)

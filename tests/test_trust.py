@@ -368,7 +368,8 @@ def test_returned_cache_continues_like_a_dynamic_cache(arch_model, kind):
     assert output_cache(out) is cache and cache.phase == "done"
     snapshot = dynamic_cache_from_kv([(k.clone(), v.clone()) for k, v in kv_of(cache)], arch_model.config)
     turn2 = torch.cat([out.sequences, torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))], 1)
-    kw = dict(return_dict_in_generate=True, output_logits=True, **GEN)
+    # the first turn may have generated the pad id: mark every token as text, as a chat loop passing masks does
+    kw = dict(return_dict_in_generate=True, output_logits=True, attention_mask=torch.ones_like(turn2), **GEN)
     got = arch_model.generate(turn2, past_key_values=output_cache(out), **kw)
     ref = arch_model.generate(turn2, past_key_values=snapshot, **kw)
     assert torch.equal(got.sequences, ref.sequences)
@@ -379,7 +380,7 @@ def test_returned_cache_continues_like_a_dynamic_cache(arch_model, kind):
         assert torch.equal(got.sequences, plain.sequences)
     # a third turn keeps going
     turn3 = torch.cat([got.sequences, torch.tensor([[5, 6, 7]])], 1)
-    assert arch_model.generate(turn3, cache=cache, **GEN).shape[1] == turn3.shape[1] + GEN["max_new_tokens"]
+    assert arch_model.generate(turn3, cache=cache, attention_mask=torch.ones_like(turn3), **GEN).shape[1] == turn3.shape[1] + GEN["max_new_tokens"]
 
 
 def test_edited_history_is_cropped_to_common_prefix(llama):
