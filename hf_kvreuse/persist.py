@@ -264,14 +264,16 @@ def entry_to_record(entry) -> tuple[dict[str, torch.Tensor], dict]:
 def entry_from_record(entry_cls, tensors: dict[str, torch.Tensor], meta: dict, layout: KVLayout, where: str,
                       windows: Sequence[int | None] | None = None):
     """The inverse of :func:`entry_to_record`, with the K/V checked against ``layout`` and moved to the model's
-    devices. ``windows``: each layer's sliding window (None: full attention); such a layer holds the last
+    devices. ``windows``: each layer's sliding window (None: full attention); such a layer holds every row or the last
     ``window - 1`` rows, as the session keeps them."""
     if "ids" not in tensors:
         raise PersistedKVError(f"{where}: no 'ids' tensor")
     ids = tensors["ids"].long().reshape(-1)
     kv = _kv_from(tensors)
     n = int(ids.numel())
-    check_kv(kv, layout, [n if not w else min(n, w - 1) for w in (windows or [None] * len(kv))], where)
+    # a sliding-window layer holds every row (the session kept its history) or its window's
+    check_kv(kv, layout, [n if not w or (i < len(kv) and kv[i][0].shape[-2] == n) else min(n, w - 1)
+                          for i, w in enumerate(windows or [None] * len(kv))], where)
     kv = _to_devices(kv, layout)
     values = dict(meta)
     for name, t in tensors.items():
@@ -306,8 +308,8 @@ def _marks_from(tensors: dict[str, torch.Tensor], saved, n: int, layout: KVLayou
         except ValueError:
             raise PersistedKVError(f"{where}: prompt boundary {key!r} is not a token count") from None
         if not 0 < m <= n or layers != layout.layers:
-            raise PersistedKVError(f"{where}: prompt boundary {m} ({layers} layers) does not fit an entry of {n} tokens "
-                                   f"and {layout.layers} layers")
+            raise PersistedKVError(f"{where}: prompt boundary {m} ({layers} layers) does not fit an entry of {n} "
+                                   f"tokens and {layout.layers} layers")
         rows = []
         for i, w in enumerate(windows):
             k, v = tensors.get(f"mark.{m}.{i}.k"), tensors.get(f"mark.{m}.{i}.v")
@@ -389,6 +391,8 @@ def save_session(session, path, prune_after_s: float = 60.0, **store_options) ->
                        min_donor_tokens=session.min_donor_tokens)
         if hasattr(session, "rebase"):
             options["rebase"] = session.rebase
+        if hasattr(session, "sliding_history"):
+            options["sliding_history"] = session.sliding_history
     kept, again = _split_method_kwargs(session.method_kwargs)
     options["method_kwargs"] = kept
     options["method_kwargs_not_saved"] = again  # names load() must be given again (models, tokenizers, mappers)

@@ -48,7 +48,7 @@ from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
 from .hybrid import state_reason
-from .sliding import WindowSnapshot, boundary_kv
+from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
 from .timing import TokenTimer, synchronize
 
 POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
@@ -263,6 +263,12 @@ class ReuseSession:
         (:class:`~hf_kvreuse.OptimisticCache`): "verify" keeps the answers (greedy output equals plain ``generate``;
         streamers get verified tokens only); "commit" streams the optimistic tokens at once (lowest time to the
         first token; answers may differ). ``method_kwargs["rebase"]`` wins over it.
+    sliding_history : bool, default=True
+        Models with sliding-window layers: the held caches keep every row of those layers too (as much memory as
+        full attention), so that a later prompt sharing any prefix reuses it exactly. False: they keep the window's
+        rows plus a copy of them at the end of each prompt (less memory; a later prompt reuses a prefix only up
+        to a held prompt's end, or while the window has not moved past it). The forward is plain ``generate``'s
+        either way.
 
     Examples
     --------
@@ -282,7 +288,8 @@ class ReuseSession:
     """
 
     def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
-                 min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify"):
+                 min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify",
+                 sliding_history: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if max_bytes <= 0:
@@ -301,6 +308,7 @@ class ReuseSession:
         self.min_span = min_span
         self.min_donor_tokens = min_donor_tokens
         self.method_kwargs = dict(method_kwargs or {})
+        self.sliding_history = bool(sliding_history)
         self.last_stats: SessionStats | None = None
         self.calls = 0
         #: what ``"auto"`` measured on this session's calls (per device and thread count)
@@ -549,11 +557,17 @@ class ReuseSession:
                                       set(trusted), producer)
         if opts.sequences > 1 and cache.get_seq_length():
             cache.batch_repeat_interleave(opts.sequences)  # generate expands the prompt, not a cache it is given
-        snapshot = None
-        if any(self._windows) and opts.sequences == 1:  # the sliding layers' rows at the end of the prompt
-            snapshot = WindowSnapshot(cache, self._windows, n)
-            kwargs = dict(kwargs, streamer=_Tee(snapshot, kwargs.get("streamer")))
+        snapshot, history = None, False
+        if any(self._windows) and opts.sequences == 1:
+            if self.sliding_history and opts.stepwise and method in ("full", "prefix"):
+                # the sliding layers also keep every row, so the held entry serves any later prefix exactly
+                full = dict(entries)[prefix_key].history_kv(prefix) if method == "prefix" and prefix else None
+                history = keep_history(cache, self._windows, full)
+            if not history:  # at least the sliding layers' rows at the end of the prompt
+                snapshot = WindowSnapshot(cache, self._windows, n)
+                kwargs = dict(kwargs, streamer=_Tee(snapshot, kwargs.get("streamer")))
         out = self._timed_generate(ids, cache, kwargs, stats, timed=opts.sequences == 1)
+        held_kv = take_history(cache, self._windows, int(cache.get_seq_length())) if history else None
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
         cs = getattr(cache, "stats", None)
@@ -584,7 +598,7 @@ class ReuseSession:
             # beams / several returned sequences: nothing row-for-row to hold (a beam cache has one row per beam,
             # reordered; even its prompt rows come from a batched prefill, not the batch-1 one a later call runs)
             if sequences.shape[0] == 1 and opts.sequences == 1 and all(k.shape[0] == 1 for k, _ in kv_of(cache)):
-                self._store(cache, sequences, stats, agent, producer, snapshot)
+                self._store(cache, sequences, stats, agent, producer, snapshot, held_kv)
             else:
                 stats.held_bytes = self.nbytes
         self.calls += 1
@@ -737,11 +751,13 @@ class ReuseSession:
 
     # -- keeping the result ----------------------------------------------------------------------------------
     def _store(self, cache, sequences: torch.Tensor, stats: SessionStats, agent, producer: str,
-               snapshot: WindowSnapshot | None = None) -> None:
-        kv = list(kv_of(cache))
+               snapshot: WindowSnapshot | None = None, held_kv=None) -> None:
+        """Hold the K/V of a finished call. ``held_kv``: every row of every layer (:func:`take_history`), where
+        the sliding-window layers kept them; otherwise those layers give the rows they keep."""
+        kv = list(held_kv) if held_kv is not None else list(kv_of(cache))
         # the tokens the cache stands for (a sliding-window layer holds fewer rows than that; layer 0 may be one)
         length = int(cache.get_seq_length())
-        rows_ok = all(k.shape[-2] == (length if w is None else min(length, w - 1))
+        rows_ok = all(k.shape[-2] == length or (w is not None and k.shape[-2] == min(length, w - 1))
                       for (k, _), w in zip(kv, self._windows))
         if getattr(cache, "logical_offset", 0) or length > sequences.shape[1] or not rows_ok:
             stats.held_bytes = self.nbytes

@@ -17,13 +17,21 @@ from .kv import KV
 @dataclass
 class _Entry:
     ids: torch.Tensor   # [L] on the CPU: the tokens whose K/V are held
-    kv: KV              # full-attention layers hold L rows; a sliding-window layer the last rows only
+    kv: KV              # full-attention layers hold L rows; a sliding-window layer all L or the last rows only
     exact: bool
     agent: str | None
     nbytes: int
     producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
     # prompt boundaries: {m: the sliding-window layers' rows a cache of the first m tokens keeps} (sliding.py)
     marks: dict = field(default_factory=dict)
+
+    def history_kv(self, p: int) -> KV | None:
+        """Every row of the first ``p`` tokens in every layer (views), or None where a sliding-window layer holds
+        only its window."""
+        n = self.ids.numel()
+        if p > n or any(k.shape[-2] != n for k, _ in self.kv):
+            return None
+        return [(k[..., :p, :], v[..., :p, :]) for k, v in self.kv]
 
     def prefix_kv(self, p: int, windows: list[int | None]) -> KV | None:
         """The K/V a cache of the first ``p`` tokens holds, from this entry's rows, or None where a sliding-window

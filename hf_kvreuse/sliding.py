@@ -8,6 +8,14 @@ layers' rows when ``generate`` emits its first new token, the moment the cache h
 first forward has run, the second has not), so the held entry can also serve the prompt as an exact prefix:
 full-attention layers from the held rows (views), sliding layers from the copy. The copied rows are what plain
 prefill of the prompt leaves in those layers, bit for bit (the same forward wrote them).
+
+:func:`keep_history` goes further (the session's default): the sliding layers of the cache a call runs with also
+append every row they are given to a history, while what they return to attention, keep, and report for the
+mask stays transformers' own (so the forward is plain ``generate``'s). :func:`take_history` then gives the held
+entry every row of every layer, as a full-attention model's would be, and any later prompt sharing any prefix
+with it (another agent's prompt over the same document, not only this prompt) reuses that prefix exactly: a cache
+of the first ``p`` tokens keeps, in a sliding layer, rows ``p - window + 1 .. p - 1``, all of them held. The cost
+is memory: those layers are held in full.
 """
 
 from __future__ import annotations
@@ -16,7 +24,94 @@ import torch
 
 from .kv import kv_of
 
-__all__ = ["WindowSnapshot", "boundary_kv"]
+__all__ = ["WindowSnapshot", "boundary_kv", "keep_history", "take_history"]
+
+
+_HISTORY_CLASSES: dict[type, type] = {}  # base layer class -> its history-keeping subclass
+
+
+def _history_class(base: type) -> type:
+    """``base`` (a sliding-window cache layer class, whichever transformers has) whose ``update`` also appends the
+    new rows to ``history``, so that the layer can later give every row, while what it returns to attention, what
+    it keeps, its mask sizes and token count stay the base class's (the forward is plain generate's, bit for bit).
+    Any operation that rewrites the rows (crop, beam reordering, batch changes, reset) drops the history. A plain
+    subclass, so that an instance's ``__class__`` can be switched to it and back."""
+    cls = _HISTORY_CLASSES.get(base)
+    if cls is not None:
+        return cls
+
+    class History(base):
+        _history_base = base
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            out = super().update(key_states, value_states, *args, **kwargs)
+            if self.history is not None:
+                self.history.append((key_states, value_states))
+            return out
+
+        def crop(self, *args, **kwargs):
+            self.history = None
+            return super().crop(*args, **kwargs)
+
+        def reorder_cache(self, *args, **kwargs):
+            self.history = None
+            return super().reorder_cache(*args, **kwargs)
+
+        def batch_repeat_interleave(self, *args, **kwargs):
+            self.history = None
+            return super().batch_repeat_interleave(*args, **kwargs)
+
+        def batch_select_indices(self, *args, **kwargs):
+            self.history = None
+            return super().batch_select_indices(*args, **kwargs)
+
+        def reset(self, *args, **kwargs):
+            self.history = None
+            return super().reset(*args, **kwargs)
+
+    History.__name__ = History.__qualname__ = f"History{base.__name__}"
+    _HISTORY_CLASSES[base] = History
+    return History
+
+
+def keep_history(cache, windows: list, prefix_kv=None) -> bool:
+    """Make the sliding-window layers of ``cache`` also keep every row they are given (see :func:`take_history`).
+
+    ``prefix_kv``: every row of the tokens ``cache`` already stands for (per layer, all of them, as a full-attention
+    layer holds them), or None if the cache is empty. Returns False (and changes nothing) where a sliding layer
+    already holds rows and no ``prefix_kv`` gives their history."""
+    n = int(cache.get_seq_length()) if cache.layers else 0
+    if n and (prefix_kv is None or any(k.shape[-2] != n for k, _ in prefix_kv)):
+        return False
+    for i, (layer, w) in enumerate(zip(cache.layers, windows)):
+        if w is None:
+            continue
+        layer.__class__ = _history_class(type(layer))
+        layer.history = [prefix_kv[i]] if n else []
+    return True
+
+
+def take_history(cache, windows: list, tokens: int):
+    """The K/V of ``cache`` with every row of every layer (``tokens`` rows each): the sliding layers' rows from
+    the history :func:`keep_history` started; the layers go back to their own classes. None where a history was
+    dropped or does not cover ``tokens`` (the cache's own rows are then all there is)."""
+    kv, ok = list(kv_of(cache)), True
+    for i, (layer, w) in enumerate(zip(cache.layers, windows)):
+        if w is None or not hasattr(type(layer), "_history_base"):
+            ok = ok and (w is None)
+            continue
+        hist = layer.history
+        layer.__class__ = type(layer)._history_base
+        del layer.history
+        if not hist or not ok:
+            ok = False
+            continue
+        k, v = torch.cat([h[0] for h in hist], -2), torch.cat([h[1] for h in hist], -2)
+        if k.shape[-2] != tokens or k.shape[0] != 1:
+            ok = False
+            continue
+        kv[i] = (k, v)
+    return kv if ok else None
 
 
 class WindowSnapshot:

@@ -279,30 +279,35 @@ def test_reader_while_other_processes_write(llama, tmp_path):
     assert sum(reader.get(llama, torch.arange(3, 19) + i) is not None for i in fresh) == len(tier)
 
 
-def test_sliding_window_session_round_trip(tmp_path):
-    """A session on a sliding-window model (qwen2: 2 full + 2 sliding layers, window 8; its held sliding layers
-    keep their last 7 rows) saves and loads: the loaded entries equal the saved ones row for row, and the next call
-    reuses them as an exact prefix with plain generate's tokens and logits.
+@pytest.mark.parametrize("history", [True, False], ids=["history", "windows"])
+def test_sliding_window_session_round_trip(tmp_path, history):
+    """A session on a sliding-window model (qwen2: 2 full + 2 sliding layers, window 8) saves and loads: the loaded
+    entries equal the saved ones row for row (with ``sliding_history``: every row of every layer; without: the
+    sliding layers' last 7 rows plus their copy at the prompt's end), and the next call reuses them as an exact
+    prefix with plain generate's tokens and logits.
 
     Planted bug that fails it: ``entry_from_record`` checks every layer for one row per token (the check before
-    sliding-window sessions): the load raises PersistedKVError "layer 2 K has shape (1, 2, 7, 16)". Another:
-    ``entry_to_record`` skips the ``marks`` field (the prompt boundary is lost): the boundary assertion fails."""
+    sliding-window sessions): [windows] raises PersistedKVError "layer 2 K has shape (1, 2, 7, 16)". Another:
+    ``entry_to_record`` skips the ``marks`` field (the prompt boundary is lost): [windows] fails the boundary
+    assertion. Another: ``entry_from_record`` accepts only window rows for sliding layers: [history] raises."""
     from test_reliability import SLIDING, _sliding_model
 
     assert "qwen2" in SLIDING
     m = _sliding_model("qwen2")
-    s = ReuseSession(m, policy="prefix")
+    s = ReuseSession(m, policy="prefix", sliding_history=history)
     out = s.generate(toks(20, 0), **GEN)
     s.save(tmp_path / "sess")
     loaded = ReuseSession.load(tmp_path / "sess", m)
+    assert loaded.sliding_history is history
     (a,), (b,) = list(s._entries.values()), list(loaded._entries.values())
     assert torch.equal(a.ids, b.ids) and [k.shape[-2] for k, _ in b.kv] == [k.shape[-2] for k, _ in a.kv]
-    assert min(k.shape[-2] for k, _ in b.kv) < a.ids.numel()  # the sliding layers hold fewer rows
+    rows = sorted({k.shape[-2] for k, _ in b.kv})
+    assert rows == ([a.ids.numel()] if history else [7, a.ids.numel()])
     for (k1, v1), (k2, v2) in zip(a.kv, b.kv):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     # the prompt boundary (sliding layers' rows at the end of the prompt) comes back too, row for row
-    assert list(a.marks) == list(b.marks) == [20]
-    for r1, r2 in zip(a.marks[20], b.marks[20]):
+    assert list(a.marks) == list(b.marks) == ([] if history else [20])
+    for r1, r2 in zip(a.marks.get(20, []), b.marks.get(20, [])):
         assert (r1 is None) == (r2 is None)
         if r1 is not None:
             assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1])

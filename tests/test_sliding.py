@@ -81,9 +81,16 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
     (``exact_prefix_tokens`` = its length) although the answer moved the sliding windows past it; the held
     prompt-boundary rows equal plain prefill's.
 
+    Drawn: ``sliding_history`` (every row held, or the window plus prompt-boundary copies) and the policy
+    (``"auto"`` may run plain prefill where it measures that faster, so reuse is asserted under ``"prefix"``).
+
     Planted bug that fails it: ``WindowSnapshot.put`` copies at the third call instead of the second (the cache
-    then holds one row more than the prompt: no copy is taken, the next turn reuses nothing). Checked."""
+    then holds one row more than the prompt: no copy is taken, the next turn reuses nothing). Checked. Another:
+    ``take_history`` drops the prefix's rows it was started with (the held sliding rows then start at the
+    prefix's end: their check against plain prefill fails, or ``prefix_kv`` finds no rows)."""
     name = data.draw(st.sampled_from(sorted(SLIDING)))
+    history = data.draw(st.booleans())
+    policy = data.draw(st.sampled_from(["auto", "prefix"]))
     model = _model(name)
     doc = _toks(data, data.draw(st.integers(3, 3 * WINDOW)))
     agents = data.draw(st.integers(1, 3))
@@ -91,7 +98,7 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
     new = data.draw(st.integers(2, WINDOW + 2))
     sample = data.draw(st.booleans())
     seed = data.draw(st.integers(0, 2 ** 16))
-    session = ReuseSession(model)
+    session = ReuseSession(model, policy=policy, sliding_history=history)
     transcript = torch.empty(1, 0, dtype=torch.long)
     last_prompt, seen, last_ids = {}, {}, {}
     for rnd in range(2):
@@ -108,14 +115,22 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
             assert torch.equal(out.sequences, ref.sequences), (name, rnd, a, session.last_stats)
             for x, y in zip(out.logits, ref.logits):
                 torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
-            if rnd == 1:  # the whole previous prompt reused exactly, wherever the windows moved meanwhile
+            if rnd == 1 and policy == "prefix":  # the whole previous prompt reused exactly, wherever the windows moved
                 assert session.last_stats.exact_prefix_tokens >= last_prompt[a], (name, a, session.last_stats)
             last_prompt[a] = ids.shape[1]
             last_ids[a] = ids
             seen[a] = transcript.shape[1]
             answer = out.sequences[:, ids.shape[1]:].clamp(min=3)  # no pad id (0) in the next prompts
             transcript = torch.cat([transcript, torch.tensor([[150 + a]]), answer[:, :2]], 1)
+    windows = session._windows
     for e in session._entries.values():
+        n = e.ids.numel()
+        if history:  # every row held, and every prefix of it is what plain prefill of that prefix keeps
+            assert all(k.shape[-2] == n for k, _ in e.kv) and not e.marks
+            for m in sorted({1, n // 2, n - 1, n} - {0}):
+                for got, ref in zip(e.prefix_kv(m, windows), _prefill_rows(model, e.ids[None, :m])):
+                    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(got[1], ref[1], atol=1e-4, rtol=1e-4)
         for m, rows in e.marks.items():
             ref = _prefill_rows(model, e.ids[None, :m])
             for got, (rk, rv) in zip(rows, ref):
@@ -124,7 +139,8 @@ def test_agents_reuse_their_prompt_after_the_window_moved(data):
                     torch.testing.assert_close(got[1], rv, atol=1e-4, rtol=1e-4)
 
 
-def test_next_turn_reuses_the_prompt_past_the_window():
+@pytest.mark.parametrize("history", [True, False], ids=["history", "windows"])
+def test_next_turn_reuses_the_prompt_past_the_window(history):
     """One agent, a document of three windows, an answer longer than the window, then its next turn with other
     text after its prompt: exact prefix = the whole previous prompt, answer = plain generate.
 
@@ -132,7 +148,7 @@ def test_next_turn_reuses_the_prompt_past_the_window():
     are tried: nothing reused). Checked."""
     model = _model("gemma3_text") if not isinstance(_build("gemma3_text"), str) else _model("mistral")
     ids = torch.arange(10, 10 + 3 * WINDOW)[None]
-    session = ReuseSession(model)
+    session = ReuseSession(model, policy="prefix", sliding_history=history)
     session.generate(ids, max_new_tokens=WINDOW + 3, do_sample=False)
     nxt = torch.cat([ids, torch.tensor([[150, 151, 152]])], 1)
     out = session.generate(nxt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -141,3 +157,26 @@ def test_next_turn_reuses_the_prompt_past_the_window():
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
     assert session.last_stats.exact_prefix_tokens == ids.shape[1], session.last_stats
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["history", "windows"])
+def test_other_agents_reuse_the_shared_document(history):
+    """Three agents, each prompt = one document (three windows long), then the agent's own role: with
+    ``sliding_history`` the second and third agents reuse the document exactly (a prefix that is no held prompt's
+    end); without it they reuse nothing (the windows moved past the document). Answers = plain generate.
+
+    Planted bug that fails it: ``take_history`` returns the layers' window rows (``kv_of(cache)``) instead of the
+    history: [history] reuses nothing."""
+    model = _model("gemma3_text") if not isinstance(_build("gemma3_text"), str) else _model("mistral")
+    doc = torch.arange(10, 10 + 3 * WINDOW)[None]
+    session = ReuseSession(model, policy="prefix", sliding_history=history)
+    for a in range(3):
+        ids = torch.cat([doc, torch.tensor([[100 + a, 101 + a, 102 + a]])], 1)
+        out = session.generate(ids, max_new_tokens=WINDOW + 2, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=WINDOW + 2, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref.sequences)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+        want = 0 if a == 0 else (doc.shape[1] if history else 0)
+        assert session.last_stats.exact_prefix_tokens == want, (a, session.last_stats)

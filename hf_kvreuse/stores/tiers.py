@@ -313,6 +313,8 @@ def save_session(session, store, name: str = "session", tenant: str | None = Non
                        min_donor_tokens=session.min_donor_tokens)
         if hasattr(session, "rebase"):
             options["rebase"] = session.rebase
+        if hasattr(session, "sliding_history"):
+            options["sliding_history"] = session.sliding_history
     kept, again = _split_method_kwargs(session.method_kwargs)
     options["method_kwargs"] = kept
     options["method_kwargs_not_saved"] = again
