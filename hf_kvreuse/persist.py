@@ -386,7 +386,9 @@ def save_session(session, path, prune_after_s: float = 60.0, **store_options) ->
     # be written after it is released (an entry evicted meanwhile stays alive through this list)
     lock = getattr(session, "_state", None) or getattr(session, "_lock", None) or contextlib.nullcontext()
     with lock:
-        entries = list(session._entries.values())  # least recently used first
+        # least recently used first, each with its weights' fingerprint (a session may hold a cheaper token)
+        identified = getattr(session, "_identified_entries", None)
+        entries = identified() if identified is not None else list(session._entries.values())
         options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
                        min_donor_tokens=session.min_donor_tokens)
         if hasattr(session, "rebase"):

@@ -29,8 +29,10 @@ Caches of approximate methods are kept as donors but never as an exact prefix.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -315,6 +317,7 @@ class ReuseSession:
         self.chooser = AutoChooser()
         self._no_drafts: str | None = None  # why this model cannot use verified drafts ('' if it can; None: unknown)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._fingerprint: tuple[str, str] | None = None  # (weights token, model_fingerprint) once computed
         self._next_key = 0
         self._trajectory = None  # the BaseLRCache of policy "base_lr"
         self._lock = threading.Lock()      # one call at a time
@@ -328,6 +331,46 @@ class ReuseSession:
         self._state_reason = state_reason(_generation_config_model(model).config)
         if self._state_reason:
             self._check_policy_for_states(policy)
+
+    def _producer(self, fingerprint: bool = False) -> str:
+        """Which weights make this call's K/V, as held entries record it (``_Entry.producer``).
+
+        The model's fingerprint (every parameter byte, the config, the active adapters:
+        :func:`~hf_kvreuse.fingerprint.model_fingerprint`) where it is known for the present weights, or where
+        ``fingerprint`` asks for it or a held entry carries one (a loaded session's). Otherwise a token of the
+        present weights in this process (``"w..."``: the model object, each parameter's storage and version, the
+        config, the adapters), which this session's own entries are compared by; it becomes the fingerprint when
+        that is computed (:meth:`_identified_entries`). Hashing every weight takes about a second per GB the first
+        time, so a session that holds only its own caches never pays it before a first token."""
+        from .fingerprint import config_digest, model_fingerprint, weights_state
+
+        state = (id(self.model), weights_state(self.model), config_digest(self.model.config))
+        token = "w" + hashlib.sha256(repr(state).encode()).hexdigest()[:15]
+        with self._state:
+            if self._fingerprint is not None and self._fingerprint[0] == token:
+                return self._fingerprint[1]
+            if not fingerprint and all(e.producer.startswith("w") for e in self._entries.values()):
+                return token
+        fp = model_fingerprint(self.model)
+        with self._state:
+            self._fingerprint = (token, fp)
+            for e in self._entries.values():
+                if e.producer == token:
+                    e.producer = fp
+        return fp
+
+    def _identified_entries(self) -> list:
+        """The held entries, least recently used first, each with the fingerprint of the weights that made it
+        (computed now for those made with the present weights); entries made with weights this model no longer
+        has cannot be identified and are left out, with a warning."""
+        self._producer(fingerprint=True)
+        with self._state:
+            entries = list(self._entries.values())
+        lost = [e for e in entries if e.producer.startswith("w")]
+        if lost:
+            warnings.warn(f"{len(lost)} held cache(s) were made with weights this {type(self.model).__name__} no "
+                          "longer has (written in place since): they are not saved", stacklevel=3)
+        return [e for e in entries if not e.producer.startswith("w")]
 
     @classmethod
     def for_method(cls, model, method: str, **kwargs) -> "ReuseSession":
@@ -495,9 +538,7 @@ class ReuseSession:
         stats = SessionStats(policy=policy, method=policy, agent=agent, prompt_tokens=n)
         if policy == "base_lr":
             return self._generate_base_lr(ids, stats, kwargs)
-        from .chunk_store import model_fingerprint
-
-        producer = model_fingerprint(self.model)  # another adapter's or model's K/V are never an exact prefix
+        producer = self._producer()  # another adapter's or model's K/V are never an exact prefix
         with self._state:
             entries = list(self._entries.items())  # least recently used first
         cpu_ids = ids[0].cpu()
@@ -737,6 +778,7 @@ class ReuseSession:
         cls = {"direct": DirectReuseCache, "blend": BlendCache, "epic": EPICCache, "tail": TailRecomputeCache,
                "focus": FocusRecomputeCache, "latent": LatentRemedyCache}[method]
         store = ChunkStore(max_bytes=1 << 62)  # views of held rows, for this call only
+        producer = self._producer(fingerprint=True)  # the cache looks its blocks up by the model's fingerprint
         blocks, prefixes = [], []
         for sp in al.spans:
             e = entries[sp.donor][1]

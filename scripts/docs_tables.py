@@ -109,6 +109,9 @@ TABLES = [
     ("vLLM fresh vs vLLM with the connector", "vllm_connector.json", _vllm, "../guide/vllm.md"),
     ("The default (ReuseSession 'auto') against plain generate, SmolLM2-135M, 1 and 2 threads", "defaults_vs_plain.json",
      lambda p: _bench("defaults_vs_plain").table(json.loads(p.read_text())), "../defaults.md"),
+    ("Gemma 3 270M: the default against plain generate, three agents over a document of three windows",
+     "gemma_workflow.json", lambda p: _bench("gemma_workflow").table(json.loads(p.read_text())),
+     "../model-families.md"),
 ]
 
 

@@ -305,3 +305,45 @@ def test_fingerprint_is_cached_per_parameter_version(monkeypatch):
         m.model.norm.weight.add_(1)
     fingerprint.model_fingerprint(m)
     assert len(calls) == 1
+
+
+def test_session_hashes_no_weight_before_its_first_token(monkeypatch, tmp_path):
+    """A session holding only its own caches identifies them by a token of the present weights: its calls hash no
+    parameter (hashing every weight costs about a second per GB, before the first token it would delay). Saving
+    computes the fingerprint, and the saved entries carry it; an in-place write between calls makes the held cache
+    another model's: no exact prefix, plain generate's answer.
+
+    Planted bugs that fail it: ``ReuseSession._producer`` always computes the fingerprint (hashes during the
+    calls); its token leaves out the parameters' versions (the write goes unseen: the stale cache is reused as an
+    exact prefix and the answer differs)."""
+    from hf_kvreuse import fingerprint
+
+    m = tiny_model("llama")
+    fingerprint.forget(m)
+    calls = []
+    real = fingerprint.tensor_digest
+    monkeypatch.setattr(fingerprint, "tensor_digest", lambda t: calls.append(t) or real(t))
+    s = ReuseSession(m, policy="prefix")
+    gen = dict(max_new_tokens=4, do_sample=False)
+    ids = torch.arange(3, 40)[None]
+    out = s.generate(ids, **gen)
+    nxt = torch.cat([out, torch.arange(50, 56)[None]], 1)
+    s.generate(nxt, attention_mask=torch.ones_like(nxt), **gen)  # an answer may hold the pad id: text here
+    assert s.last_stats.exact_prefix_tokens == out.shape[1] - 1
+    assert calls == []  # no weight hashed by either call
+    s.save(tmp_path / "s")
+    assert calls  # the save identifies the entries
+    fp = fingerprint.model_fingerprint(m)
+    assert {e.producer for e in s._entries.values()} == {fp}
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["model"]["fingerprint"] == fp
+
+    s2 = ReuseSession(m, policy="prefix")
+    s2.generate(ids, **gen)
+    with torch.no_grad():
+        m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    kw = dict(attention_mask=torch.ones_like(nxt), return_dict_in_generate=True, output_logits=True, **gen)
+    got = s2.generate(nxt, **kw)
+    assert s2.last_stats.exact_prefix_tokens == 0
+    ref = m.generate(nxt, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-5, rtol=1e-5)

@@ -308,7 +308,8 @@ def save_session(session, store, name: str = "session", tenant: str | None = Non
     backend = open_backend(store, tenant=tenant)
     lock = getattr(session, "_state", None) or getattr(session, "_lock", None) or contextlib.nullcontext()
     with lock:
-        entries = list(session._entries.values())
+        identified = getattr(session, "_identified_entries", None)  # each with its weights' fingerprint
+        entries = identified() if identified is not None else list(session._entries.values())
         options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
                        min_donor_tokens=session.min_donor_tokens)
         if hasattr(session, "rebase"):
