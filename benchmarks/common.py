@@ -79,3 +79,14 @@ def write_json(path: Path | str, doc: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def git_commit(root: Path | str | None = None) -> str | None:
+    """The commit ``HEAD`` of the repository at ``root`` (default: this one), or None outside a git checkout."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root or Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None

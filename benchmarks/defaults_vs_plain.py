@@ -21,21 +21,15 @@ import argparse
 import collections
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import git_commit  # noqa: E402
 WORKFLOWS = ("chain", "fully_connected", "debate", "judge")
 
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def summarize(bench: dict, threads: int) -> list[dict]:
@@ -115,7 +109,7 @@ def main(argv=None) -> int:
         return 0
     from hf_kvreuse.cli import main as cli
 
-    doc = dict(config=vars(args), commit=_commit(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    doc = dict(config=vars(args), commit=git_commit(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
                command="PYTHONPATH=. python benchmarks/defaults_vs_plain.py " + " ".join(argv or sys.argv[1:]),
                rows=[])
     for threads in (int(t) for t in args.threads.split(",")):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,19 +27,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import write_json  # noqa: E402
+from common import git_commit, write_json  # noqa: E402
 
 ROLES = (("summarizer", "Summarize the document in two sentences."),
          ("critic", "Point out what the summary so far misses."),
          ("question writer", "Write one question the document answers."))
 
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def document(tok, tokens: int, start: int) -> str:
@@ -163,7 +155,7 @@ def main(argv=None) -> int:
     window = int(model.config.sliding_window)
     doc = dict(config=dict(vars(args), model="gemma3-270m", sliding_window=window,
                            torch=torch.__version__, transformers=__import__("transformers").__version__),
-               commit=_commit(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
+               commit=git_commit(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
                command="PYTHONPATH=. python benchmarks/gemma_workflow.py " + " ".join(argv or sys.argv[1:]),
                rows=[], complete=False)
 

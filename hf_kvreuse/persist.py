@@ -55,8 +55,8 @@ FORMAT_SESSION = "hf_kvreuse.session"
 FORMAT_CHUNK = "hf_kvreuse.chunk"
 VERSION = 2  # 2: signed manifests and chunk JSONs, method_kwargs kept per key
 
-__all__ = ["PersistedKVError", "DiskTier", "save_session", "load_session", "kv_layout", "entry_to_record",
-           "entry_from_record"]
+__all__ = ["PersistedKVError", "DiskTier", "save_session", "load_session", "session_snapshot", "kv_layout",
+           "entry_to_record", "entry_from_record"]
 
 
 class PersistedKVError(ValueError):
@@ -353,6 +353,27 @@ def _is_store(path) -> bool:
     return (isinstance(path, str) and "://" in path) or not isinstance(path, (str, os.PathLike))
 
 
+def session_snapshot(session) -> tuple[list, dict]:
+    """``(entries, options)`` of a session to save (every store saves through it): the held entries, least
+    recently used first, each with its weights' fingerprint (a session may hold a cheaper token of its weights),
+    and the JSON options, ``method_kwargs`` split into those saved and the names load must be given again."""
+    # the held caches' lock (a running call stores under it); held K/V are never written in place, so the files can
+    # be written after it is released (an entry evicted meanwhile stays alive through this list)
+    lock = getattr(session, "_state", None) or getattr(session, "_lock", None) or contextlib.nullcontext()
+    with lock:
+        identified = getattr(session, "_identified_entries", None)
+        entries = identified() if identified is not None else list(session._entries.values())
+        options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
+                       min_donor_tokens=session.min_donor_tokens)
+        for name in ("rebase", "sliding_history"):
+            if hasattr(session, name):
+                options[name] = getattr(session, name)
+    kept, again = _split_method_kwargs(session.method_kwargs)
+    options["method_kwargs"] = kept
+    options["method_kwargs_not_saved"] = again  # names load() must be given again (models, tokenizers, mappers)
+    return entries, options
+
+
 def save_session(session, path, prune_after_s: float = 60.0, **store_options) -> dict:
     """Write every cache ``session`` holds to the folder ``path``; returns the manifest written.
 
@@ -382,22 +403,7 @@ def save_session(session, path, prune_after_s: float = 60.0, **store_options) ->
     folder.mkdir(parents=True, exist_ok=True)
 
     identity = _model_identity(session.model)
-    # the held caches' lock (a running call stores under it); held K/V are never written in place, so the files can
-    # be written after it is released (an entry evicted meanwhile stays alive through this list)
-    lock = getattr(session, "_state", None) or getattr(session, "_lock", None) or contextlib.nullcontext()
-    with lock:
-        # least recently used first, each with its weights' fingerprint (a session may hold a cheaper token)
-        identified = getattr(session, "_identified_entries", None)
-        entries = identified() if identified is not None else list(session._entries.values())
-        options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
-                       min_donor_tokens=session.min_donor_tokens)
-        if hasattr(session, "rebase"):
-            options["rebase"] = session.rebase
-        if hasattr(session, "sliding_history"):
-            options["sliding_history"] = session.sliding_history
-    kept, again = _split_method_kwargs(session.method_kwargs)
-    options["method_kwargs"] = kept
-    options["method_kwargs_not_saved"] = again  # names load() must be given again (models, tokenizers, mappers)
+    entries, options = session_snapshot(session)
     with _dir_lock(folder):
         records = []
         for e in entries:

@@ -297,28 +297,14 @@ def save_session(session, store, name: str = "session", tenant: str | None = Non
     """Write every cache ``session`` holds as one entry ``name`` of ``store`` (replacing the previous one
     atomically); returns the manifest written. The namespace is the model's fingerprint. Options are kept as
     :func:`hf_kvreuse.persist.save_session` keeps them (each JSON option on its own; the names of the others)."""
-    import contextlib
-
-    from ..persist import _model_identity, _split_method_kwargs, entry_to_record
+    from ..persist import _model_identity, entry_to_record, session_snapshot
     from ..version import __version__
 
     if getattr(session, "_trajectory", None) is not None:
         raise NotImplementedError("the base_lr policy's BaseLRCache trajectory cannot be saved yet (only the caches "
                                   "of the other policies are)")
     backend = open_backend(store, tenant=tenant)
-    lock = getattr(session, "_state", None) or getattr(session, "_lock", None) or contextlib.nullcontext()
-    with lock:
-        identified = getattr(session, "_identified_entries", None)  # each with its weights' fingerprint
-        entries = identified() if identified is not None else list(session._entries.values())
-        options = dict(policy=session.policy, max_bytes=session.max_bytes, min_span=session.min_span,
-                       min_donor_tokens=session.min_donor_tokens)
-        if hasattr(session, "rebase"):
-            options["rebase"] = session.rebase
-        if hasattr(session, "sliding_history"):
-            options["sliding_history"] = session.sliding_history
-    kept, again = _split_method_kwargs(session.method_kwargs)
-    options["method_kwargs"] = kept
-    options["method_kwargs_not_saved"] = again
+    entries, options = session_snapshot(session)
     tensors, records = {}, []
     for i, e in enumerate(entries):
         t, meta = entry_to_record(e)
