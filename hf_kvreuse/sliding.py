@@ -49,26 +49,15 @@ def _history_class(base: type) -> type:
                 self.history.append((key_states, value_states))
             return out
 
-        def crop(self, *args, **kwargs):
-            self.history = None
-            return super().crop(*args, **kwargs)
+    def dropping(name):
+        def method(self, *args, **kwargs):
+            self.history = None  # the rows are rewritten: the history no longer matches them
+            return getattr(base, name)(self, *args, **kwargs)
+        return method
 
-        def reorder_cache(self, *args, **kwargs):
-            self.history = None
-            return super().reorder_cache(*args, **kwargs)
-
-        def batch_repeat_interleave(self, *args, **kwargs):
-            self.history = None
-            return super().batch_repeat_interleave(*args, **kwargs)
-
-        def batch_select_indices(self, *args, **kwargs):
-            self.history = None
-            return super().batch_select_indices(*args, **kwargs)
-
-        def reset(self, *args, **kwargs):
-            self.history = None
-            return super().reset(*args, **kwargs)
-
+    for name in ("crop", "reorder_cache", "batch_repeat_interleave", "batch_select_indices", "reset"):
+        if hasattr(base, name):
+            setattr(History, name, dropping(name))
     History.__name__ = History.__qualname__ = f"History{base.__name__}"
     _HISTORY_CLASSES[base] = History
     return History

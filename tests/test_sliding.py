@@ -180,3 +180,36 @@ def test_other_agents_reuse_the_shared_document(history):
         torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
         want = 0 if a == 0 else (doc.shape[1] if history else 0)
         assert session.last_stats.exact_prefix_tokens == want, (a, session.last_stats)
+
+
+def test_history_is_dropped_when_rows_are_rewritten():
+    """A cache whose sliding layers keep a history gives every row (``take_history``) after plain updates, and
+    nothing after an operation that rewrites the rows (crop): never a history that no longer matches the cache.
+
+    Planted bug that fails it: ``_history_class`` leaves ``crop`` out of the operations that drop the history
+    *and* ``take_history`` skips its token-count check (the cropped cache then hands back rows past its length).
+    Either alone passes, rightly: the other still refuses the stale history. Checked."""
+    from transformers import DynamicCache
+
+    from hf_kvreuse.sliding import keep_history, take_history
+
+    model = _model("mistral")
+    windows = [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+               for layer in DynamicCache(config=model.config).layers]
+    assert any(windows)
+    for crop in (False, True):
+        # transformers refuses to crop a sliding layer whose window is full: a prompt inside the window there
+        ids = torch.arange(10, 10 + (WINDOW - 2 if crop else 2 * WINDOW))[None]
+        cache = DynamicCache(config=model.config)
+        assert keep_history(cache, windows)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        n = ids.shape[1]
+        if crop:
+            cache.crop(-2)  # drop the last two tokens (the form every release accepts)
+        kv = take_history(cache, windows, int(cache.get_seq_length()))
+        if crop:
+            assert kv is None
+        else:
+            assert kv is not None and all(k.shape[-2] == n for k, _ in kv)
+        assert all(not hasattr(type(layer), "_history_base") for layer in cache.layers)  # back to their classes
