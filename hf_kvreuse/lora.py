@@ -17,11 +17,14 @@ per layer: exact but slower than the value path). It is refused for models with 
 ``k_norm``), where the norm sits between the projection and RoPE and the split is not exact.
 
 Module-level state is a ``ContextVar`` holding the cache of the forward that is running; outside such a
-forward every patched module behaves exactly as peft's.
+forward (another thread's forward of the same model included) every patched module and the attention behave
+exactly as peft's. The patches and the attention swap are reference-counted across threads
+(:mod:`hf_kvreuse.local_hooks`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from . import kernels
+from .local_hooks import local_hooks, patched_forward, register_wrapper
 from .rope import RopeShifter, find_rotary_embedding
 from .triton.lowrank_attention import lowrank_attention_torch as lowrank_attention  # noqa: F401 (public name)
 
@@ -38,7 +42,6 @@ ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_lora_state",
 
 SPLIT_KINDS = {"k_proj": "k", "v_proj": "v"}
 OTHER_ATTENTION_PROJECTIONS = ("q_proj", "o_proj")
-ATTN_PREFIX = "kvreuse_lora_"
 
 
 class UnsupportedAdapterError(ValueError):
@@ -151,7 +154,7 @@ class LoraSplit:
         self.has_key_lora = any("k" in m for m in self.modules.values())
         # the model check decides the rotation layout from the model's own keys (refusing what it cannot match)
         self._shifter = RopeShifter(peft_model.get_base_model()) if self.has_key_lora else None
-        self._patched: list[nn.Module] = []
+        self._patch: contextlib.ExitStack | None = None
 
     @staticmethod
     def _check_splittable(module: nn.Module, where: str) -> None:
@@ -176,18 +179,20 @@ class LoraSplit:
 
     # -- patching ----------------------------------------------------------------------------------------------
     def install(self) -> None:
-        """Make the k/v LoRA modules return the base projection and write LR caches while a state is active."""
-        if self._patched:
+        """Make the k/v LoRA modules return the base projection and write LR caches while a state is active in
+        the calling context (elsewhere they run peft's forward); reference-counted across threads."""
+        if self._patch is not None:
             return
-        for layer, kinds in self.modules.items():
-            for kind, module in kinds.items():
-                module.forward = _split_forward(module, layer, kind)
-                self._patched.append(module)
+        stack = contextlib.ExitStack()
+        stack.enter_context(patched_forward([(module, lambda m, layer=layer, kind=kind: _split_forward(m, layer, kind))
+                                             for layer, kinds in self.modules.items()
+                                             for kind, module in kinds.items()]))
+        self._patch = stack
 
     def uninstall(self) -> None:
-        for module in self._patched:
-            module.__dict__.pop("forward", None)
-        self._patched = []
+        if self._patch is not None:
+            self._patch.close()
+            self._patch = None
 
     def key_cos_sin(self, state: LRState, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions ``0..length-1`` with the rotary module's magnitude factor (YaRN) applied once."""
@@ -287,24 +292,22 @@ def lora_attention(base_fn: Callable) -> Callable:
     return attention
 
 
-def register_attention(base_name: str) -> str:
-    """Register (once) the LR attention wrapping ``base_name`` ("sdpa" or "eager"); return its name."""
-    from .compat import register_attention_wrapper
-
-    return register_attention_wrapper(ATTN_PREFIX + base_name, base_name, lora_attention)
+register_wrapper("lowrank", lora_attention, order=1, active=lambda: ACTIVE.get() is not None)
 
 
-def mixed_adapter_hooks(peft_model, adapter_names: list[str], skip: list[nn.Module]) -> list:
-    """Forward pre-hooks passing ``adapter_names`` (one per batch row; ``"__base__"`` = no adapter) to every LoRA
-    layer except ``skip``, the way peft runs mixed-adapter batches. Returns the hook handles."""
-    handles = []
+@contextlib.contextmanager
+def mixed_adapters(peft_model, adapter_names: list[str], skip: list[nn.Module]):
+    """For the block, in the calling context only: every LoRA layer except ``skip`` gets ``adapter_names`` (one
+    per batch row; ``"__base__"`` = no adapter), the way peft runs mixed-adapter batches. A forward of the same
+    model in another thread meanwhile runs with its own adapters."""
     skip_ids = {id(m) for m in skip}
 
     def hook(_module, args, kwargs):
         kwargs["adapter_names"] = adapter_names
         return args, kwargs
 
-    for module in peft_model.get_base_model().modules():
-        if _is_lora_layer(module) and id(module) not in skip_ids:
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    return handles
+    with local_hooks() as hooks:
+        for module in peft_model.get_base_model().modules():
+            if _is_lora_layer(module) and id(module) not in skip_ids:
+                hooks.pre(module, hook, with_kwargs=True)
+        yield

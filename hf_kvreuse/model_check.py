@@ -336,6 +336,7 @@ def check_donor(model, kv, ids: torch.Tensor, length: int, who: str, what: str =
     from .compat import cache_kwargs
     from .devices import decoder_layers, input_device
     from .fingerprint import made_by
+    from .local_hooks import local_hooks
 
     target = _target(model)
     if made_by(kv, target) or made_by(kv, model) or length == 0:
@@ -348,20 +349,18 @@ def check_donor(model, kv, ids: torch.Tensor, length: int, who: str, what: str =
     tokens = ids.reshape(-1)[pos.to(ids.device)].to(device)[:, None]
     cache = DynamicCache(config=target.config)
     layers = decoder_layers(target)
-    hook = None
-    if layers is not None:
-        def stop(*_):
-            raise _StopAfterLayer0()
-        hook = layers[0].register_forward_hook(stop)
+
+    def stop(*_):
+        raise _StopAfterLayer0()
+
     try:
-        with torch.autocast(device.type, enabled=False):
+        with local_hooks() as hooks, torch.autocast(device.type, enabled=False):
+            if layers is not None:
+                hooks.forward(layers[0], stop)  # this call only: another thread's forward runs every layer
             target(input_ids=tokens, position_ids=pos.to(device)[:, None], use_cache=True, logits_to_keep=1,
                    **cache_kwargs(cache))
     except _StopAfterLayer0:
         pass
-    finally:
-        if hook is not None:
-            hook.remove()
     mine = cache.layers[0].keys  # [samples, H, 1, D]
     theirs = k0[0, :, pos.to(k0.device), :].transpose(0, 1)[:, :, None, :]  # [samples, H, 1, D]
     if mine.shape != theirs.shape:

@@ -37,6 +37,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -46,8 +47,8 @@ from transformers import DynamicCache
 from ..compat import cache_kwargs
 from ..devices import input_device
 from ..generation.mixin import enable
-from ..generation.selected import base_attn
-from ..lora import ACTIVE, LoraSplit, LRState, LRStore, Row, is_peft_model, mixed_adapter_hooks, register_attention
+from ..local_hooks import wrapped_attention
+from ..lora import ACTIVE, LoraSplit, LRState, LRStore, Row, is_peft_model, mixed_adapters
 from ..reprs import stats_repr
 from .base import KVReuseCache
 
@@ -173,8 +174,7 @@ class BaseLRCache(KVReuseCache):
         self._turn: TurnStats | None = None
         self._turn_agent: str | None = None
         self._turn_start = 0
-        self._saved_attn: str | None = None
-        self._hooks: list = []
+        self._attention: contextlib.ExitStack | None = None  # the library's attention, while a call runs
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _check_agent(self, agent: str) -> None:
@@ -288,20 +288,16 @@ class BaseLRCache(KVReuseCache):
         self._state = LRState(rows=rows, store=self.store, split=self.split,
                               lowrank_max_queries=self.lowrank_max_queries)
         self.split.install()
-        cfg = self.model.config
-        if self._saved_attn is None:
-            self._saved_attn = base_attn(cfg) or "eager"  # not a partial forward's swap in another thread
-            cfg._attn_implementation = register_attention(self._saved_attn)
+        if self._attention is None:  # reference-counted with every other call of the library on this model
+            self._attention = contextlib.ExitStack()
+            self._attention.enter_context(wrapped_attention(self.model))
 
     def _uninstall(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         if self.split is not None:
             self.split.uninstall()
-        if self._saved_attn is not None:
-            self.model.config._attn_implementation = self._saved_attn
-            self._saved_attn = None
+        if self._attention is not None:
+            self._attention.close()
+            self._attention = None
         self._state = None
 
     # -- every forward (called by the generation mixin) ------------------------------------------------------
@@ -312,21 +308,20 @@ class BaseLRCache(KVReuseCache):
                                    "forward into base and low-rank caches); do not pass it to a plain forward")
             return forward_fn(**kwargs)
         rows = len(self._state.rows)
+        mixed = contextlib.nullcontext()
         if rows > 1:
             kwargs = {k: (v.expand(rows, *v.shape[1:]) if k in ("input_ids", "attention_mask", "position_ids",
                                                                    "inputs_embeds") and isinstance(v, torch.Tensor)
                           and v.shape[0] == 1 else v) for k, v in kwargs.items()}
             names = [r.reader or BASE for r in self._state.rows]
             skip = [m for kinds in self.split.modules.values() for m in kinds.values()]
-            self._hooks = mixed_adapter_hooks(self.model, names, skip)
+            mixed = mixed_adapters(self.model, names, skip)  # this call's context only
         token = ACTIVE.set(self._state)
         try:
-            out = forward_fn(**kwargs)
+            with mixed:
+                out = forward_fn(**kwargs)
         finally:
             ACTIVE.reset(token)
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
         if rows > 1:  # the adapted row drives generation; the adapter-free row only writes the cache
             out.logits = out.logits[:1]
             for name in ("hidden_states", "attentions"):

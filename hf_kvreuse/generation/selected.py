@@ -1,9 +1,9 @@
 """The selected-row attention of :func:`~hf_kvreuse.generation.partial.partial_forward`, plugged into the model.
 
 A partial forward feeds ``R`` selected rows that attend to ``N`` cached columns by original position, which
-transformers' attention functions only take as an explicit ``[R, N]`` mask. Here an attention function wrapping
-the model's own (``sdpa`` or ``eager``) is registered with transformers' ``AttentionInterface`` under
-``kvreuse_selected_<base>``; :func:`selected_rows` selects it on the model's config for the duration of one
+transformers' attention functions only take as an explicit ``[R, N]`` mask. Here a wrapper of the model's own
+attention (``sdpa`` or ``eager``) is part of the library's attention, ``kvreuse_<base>``
+(:mod:`hf_kvreuse.local_hooks`); :func:`selected_rows` selects it on the model's config for the duration of one
 partial forward and publishes the rows' positions in the context variable :data:`SELECTED`. While that variable is
 set the wrapper computes the attention with :func:`hf_kvreuse.kernels.selected_attention` (the Triton kernel, or
 on torch SDPA block by block over the columns each block can see); otherwise, and for any layer it does not
@@ -14,8 +14,9 @@ same model during the swap (no rows published in its context) runs unchanged wit
 
 Which path runs (:func:`selected_path`): the Triton kernel under the ``triton`` backend (sdpa and eager
 models), the blocked SDPA formulation on torch for ``sdpa`` models on CPU, and the explicit mask (no wrapper)
-for ``eager`` models on torch, for CUDA tensors on torch, and for any other attention implementation (the LoRA wrapper of
-:class:`~hf_kvreuse.cache_classes.base_lr.BaseLRCache` included: both wrappers are never stacked).
+for ``eager`` models on torch, for CUDA tensors on torch, and for any other attention implementation. Where
+another of the library's wrappers acts in the same context (the low-rank values of
+:class:`~hf_kvreuse.cache_classes.base_lr.BaseLRCache`), this one passes the call on with the explicit mask.
 :func:`hf_kvreuse.model_check.check_model` probes the engine on the path that runs (its cache key holds it).
 """
 
@@ -23,12 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 from typing import Callable
 
 import torch
 
-ATTN_PREFIX = "kvreuse_selected_"
+from ..local_hooks import ATTN_PREFIX, base_attn, library_attention, others_active, register_wrapper, wrapped_attention
+
+__all__ = ["ATTN_PREFIX", "OBSERVER", "SELECTED", "base_attn", "register_selected_attention", "selected_attention_fn",
+           "selected_path", "selected_rows", "wrapped_attention"]
+
 #: the rows of the partial forward running in this context (a SelectedPositions), or None
 SELECTED: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_selected_rows", default=None)
 
@@ -36,17 +40,6 @@ SELECTED: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_selected_r
 #: ``observer(module, query, key, allowed, kwargs)`` with ``allowed`` the visible columns (a boolean
 #: ``[..., R, N]`` mask) or None (every row sees every column up to its own position, rows last)
 OBSERVER: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_attention_observer", default=None)
-
-_SWAP_LOCK = threading.Lock()
-_SWAPS: dict[int, list] = {}  # id(config) -> [active partial forwards, the implementation to restore]
-
-
-def base_attn(config) -> str | None:
-    """The model's own attention implementation (seen through a swap in progress)."""
-    attn = getattr(config, "_attn_implementation", None)
-    if attn is not None and attn.startswith(ATTN_PREFIX):
-        return attn[len(ATTN_PREFIX):]
-    return attn
 
 
 def selected_path(model, tensor: torch.Tensor) -> str:
@@ -64,6 +57,8 @@ def selected_path(model, tensor: torch.Tensor) -> str:
 
 
 def _handles(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sel, kwargs: dict) -> bool:
+    if others_active("selected"):  # another wrapper changes this attention (low-rank values): pass it the mask
+        return False
     if any(kwargs.get(a) is not None for a in ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")):
         return False
     if kwargs.get("dropout", 0.0) or not getattr(module, "is_causal", True):
@@ -111,10 +106,13 @@ def _visible(sel, attention_mask, device) -> torch.Tensor | None:
 
 
 def register_selected_attention(base_name: str) -> str:
-    """Register (once) the selected-row attention wrapping ``base_name`` ("sdpa" or "eager"); return its name."""
-    from ..compat import register_attention_wrapper
+    """Register (once) the library's attention over ``base_name`` (with the selected-row wrapper); return its
+    name."""
+    return library_attention(base_name)
 
-    return register_attention_wrapper(ATTN_PREFIX + base_name, base_name, selected_attention_fn)
+
+register_wrapper("selected", selected_attention_fn, order=0,
+                 active=lambda: SELECTED.get() is not None or OBSERVER.get() is not None)
 
 
 @contextlib.contextmanager
@@ -124,36 +122,11 @@ def selected_rows(model, positions):
     :class:`~hf_kvreuse.triton.selected_attention.SelectedPositions`) in this context.
 
     Code that reads the model's attention implementation meanwhile (another thread) should read it through
-    :func:`base_attn`. Any interleaving with another swap (BaseLRCache's LoRA attention) stays correct: every
-    layer the wrapper does not run gets the wrapped function and the mask the engine passes."""
+    :func:`base_attn`. Any interleaving with another of the library's calls (BaseLRCache's low-rank values
+    included) stays correct: each wrapper acts only in its own context."""
     token = SELECTED.set(positions)
     try:
         with wrapped_attention(model):
             yield
     finally:
         SELECTED.reset(token)
-
-
-@contextlib.contextmanager
-def wrapped_attention(model):
-    """For the duration of the block the model's attention is the library's wrapper of its own implementation
-    (same mask builder, same function outside this library's contexts: another thread's forward computes what it
-    computes without it), reference-counted across threads and restored by the last one out, whatever the order
-    of exits."""
-    config = model.config
-    name = register_selected_attention(base_attn(config))
-    with _SWAP_LOCK:
-        entry = _SWAPS.get(id(config))
-        if entry is None:
-            entry = _SWAPS[id(config)] = [0, config._attn_implementation]
-            config._attn_implementation = name
-        entry[0] += 1
-    try:
-        yield
-    finally:
-        with _SWAP_LOCK:
-            entry[0] -= 1
-            if entry[0] == 0:
-                if config._attn_implementation == name:  # else someone installed another one since: keep it
-                    config._attn_implementation = entry[1]
-                del _SWAPS[id(config)]

@@ -30,11 +30,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..local_hooks import local_hooks
 
 FORMAT = "hf_kvreuse.LatentBridge"
 VERSION = 4
@@ -195,14 +196,10 @@ class LatentBridge(nn.Module):
         if not self.lora_rank:
             yield
             return
-        owner = threading.get_ident()
-        handles = []
         targets = _lora_targets(model, self.lora_modules)
 
         def make(a, b):
             def hook(mod, inp, out):
-                if threading.get_ident() != owner:
-                    return out
                 x = inp[0]
                 if x.shape[:-1] != rows.shape:
                     raise RuntimeError(f"LoRA rows mask {tuple(rows.shape)} does not match the hidden states "
@@ -211,13 +208,10 @@ class LatentBridge(nn.Module):
                 delta = (x.to(a.dtype) @ a.to(x.device).t() @ b.to(x.device).t()).to(out.dtype)
                 return out + delta * rows[..., None].to(device=out.device, dtype=out.dtype)
             return hook
-        try:
+        with local_hooks() as hooks:  # this context only: a forward in another thread sees the frozen model
             for key, lin in targets.items():
-                handles.append(lin.register_forward_hook(make(self.lora[f"{key}-a"], self.lora[f"{key}-b"])))
+                hooks.forward(lin, make(self.lora[f"{key}-a"], self.lora[f"{key}-b"]))
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     # -- persistence: safetensors + JSON ----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:

@@ -8,13 +8,13 @@ Horton et al. 2024, for the hidden-state inputs).
 
 from __future__ import annotations
 
-import contextvars
 from typing import Iterable
 
 import torch
 
 from ..devices import input_device
 from ..kv import KV, kv_of
+from ..local_hooks import local_hooks
 from ..rope import RopeShifter
 
 
@@ -89,29 +89,14 @@ def run_source(model, ids: torch.Tensor, cache, hidden_layers: Iterable[int] = (
     base = model.model
     n_layers = len(base.layers)
     grabbed: dict[int, torch.Tensor] = {}
-
-    def grab(s, out):
-        if _HIDDEN_SINK.get() is grabbed:
-            grabbed[s] = out[0].float()
-
-    hooks = []
-    token = _HIDDEN_SINK.set(grabbed)
-    try:
+    with local_hooks() as hooks:  # this call only: another thread's forward captures nothing and is unchanged
         for s in sorted(set(hidden_layers)):
             if not 0 <= s <= n_layers:
                 raise ValueError(f"hidden layer {s} outside 0..{n_layers} of {type(model).__name__}")
             mod = base.norm if s == n_layers else base.layers[s].input_layernorm
-            hooks.append(mod.register_forward_hook(lambda m, a, out, s=s: grab(s, out)))
+            hooks.forward(mod, lambda m, a, out, s=s: grabbed.__setitem__(s, out[0].float()))
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
-    finally:
-        for h in hooks:
-            h.remove()
-        _HIDDEN_SINK.reset(token)
     return grabbed
-
-
-#: the hidden-state sink of the run_source call running in this context (its hooks ignore every other context)
-_HIDDEN_SINK: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_source_hidden", default=None)
 
 
 @torch.no_grad()
