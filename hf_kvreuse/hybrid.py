@@ -56,3 +56,42 @@ def state_reason(config) -> str | None:
     shown = ", ".join(layers[:4]) + (f", ... ({len(layers)} in all)" if len(layers) > 4 else "")
     return (f"linear-attention / recurrent-state layers ({shown}) hold a state summing the whole prefix, not "
             "per-token K/V: it cannot be cut, re-positioned or partly recomputed")
+
+
+def state_cache(model):
+    """An empty cache of ``model``'s own layer kinds that ``generate`` fills in place (transformers' own
+    ``DynamicCache(config=...)``, where it builds the recurrent-state layers), or None where this release leaves
+    the states to the model's own cache class (``generate`` then makes one itself)."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - a config DynamicCache cannot size
+        return None
+    stateful = [type(layer).__name__ for layer in cache.layers
+                if "LinearAttention" in type(layer).__name__ or hasattr(layer, "recurrent_states")
+                or hasattr(layer, "conv_states")]
+    return cache if stateful else None
+
+
+def tensor_bytes(obj, _seen=None) -> int:
+    """Bytes of every distinct tensor storage reachable from ``obj`` (a cache, its layers, lists, dicts)."""
+    import torch
+
+    seen = _seen if _seen is not None else set()
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        if ("obj", id(obj)) in seen:
+            return 0
+        seen.add(("obj", id(obj)))
+        return sum(tensor_bytes(x, seen) for x in vars(obj).values()
+                   if isinstance(x, (torch.Tensor, list, tuple, dict)) or type(x).__module__.startswith("transformers"))
+    return 0

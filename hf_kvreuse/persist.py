@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -368,6 +369,10 @@ def session_snapshot(session) -> tuple[list, dict]:
         for name in ("rebase", "sliding_history"):
             if hasattr(session, name):
                 options[name] = getattr(session, name)
+        states = len(getattr(session, "_states", ()))
+    if states:
+        warnings.warn(f"the session holds {states} recurrent-state cache(s) of a linear-attention hybrid; they are "
+                      "not saved (only K/V entries are): a loaded session starts without them", stacklevel=3)
     kept, again = _split_method_kwargs(session.method_kwargs)
     options["method_kwargs"] = kept
     options["method_kwargs_not_saved"] = again  # names load() must be given again (models, tokenizers, mappers)

@@ -28,6 +28,7 @@ Caches of approximate methods are kept as donors but never as an exact prefix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import threading
@@ -49,7 +50,7 @@ from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
-from .hybrid import state_reason
+from .hybrid import state_cache, state_reason, tensor_bytes
 from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
 from .timing import TokenTimer, synchronize
 
@@ -240,6 +241,41 @@ class _Tee:
             s.end()
 
 
+@dataclass
+class _StateEntry:
+    """A whole cache of a recurrent-state model, standing for exactly ``ids`` (never fed again: copied to use)."""
+
+    ids: torch.Tensor
+    cache: object
+    agent: str | None
+    producer: str
+    nbytes: int
+
+
+class _FirstTokenCopy:
+    """A streamer that copies ``cache`` when the first generated token comes out: it then holds the prompt's
+    ``n`` tokens exactly (``copy`` stays None where the cache is None or holds another count)."""
+
+    def __init__(self, cache, n: int):
+        self.cache, self.n, self.calls, self.copy = cache, n, 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.cache is not None and _state_length(self.cache) == self.n:
+            self.copy = copy.deepcopy(self.cache)
+
+    def end(self):
+        pass
+
+
+def _state_length(cache) -> int | None:
+    """Tokens a cache holds (its attention layers'), or None."""
+    try:
+        return int(cache.get_seq_length()) if cache is not None else None
+    except Exception:  # noqa: BLE001 - a cache that cannot tell
+        return None
+
+
 class ReuseSession:
     """Generate with a model while reusing the K/V of every earlier call of the session.
 
@@ -317,6 +353,8 @@ class ReuseSession:
         self.chooser = AutoChooser()
         self._no_drafts: str | None = None  # why this model cannot use verified drafts ('' if it can; None: unknown)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        # recurrent-state models: whole caches of the model's own kind, each standing for exactly its tokens
+        self._states: OrderedDict[int, _StateEntry] = OrderedDict()
         self._fingerprint: tuple[str, str] | None = None  # (weights token, model_fingerprint) once computed
         self._next_key = 0
         self._trajectory = None  # the BaseLRCache of policy "base_lr"
@@ -386,18 +424,19 @@ class ReuseSession:
     def nbytes(self) -> int:
         """K/V bytes held now."""
         with self._state:
-            held = sum(e.nbytes for e in self._entries.values())
+            held = sum(e.nbytes for e in self._entries.values()) + sum(e.nbytes for e in self._states.values())
             trajectory = self._trajectory
         return held + (trajectory.kv_bytes() if trajectory is not None else 0)
 
     def __len__(self) -> int:
         with self._state:
-            return len(self._entries)
+            return len(self._entries) + len(self._states)
 
     def clear(self) -> None:
         """Drop every held cache (after the running call, if one runs: its cache is dropped too)."""
         with self._lock, self._state:
             self._entries.clear()
+            self._states.clear()
             self._trajectory = None
 
     def hold(self, ids, kv: KV, exact: bool, agent: str | None = None) -> None:
@@ -437,8 +476,10 @@ class ReuseSession:
     def held(self) -> list[dict]:
         """One row per held cache, least recently used first: tokens, exact, agent, bytes."""
         with self._state:
-            return [dict(tokens=int(e.ids.numel()), exact=e.exact, agent=e.agent, nbytes=e.nbytes)
-                    for e in self._entries.values()]
+            return ([dict(tokens=int(e.ids.numel()), exact=e.exact, agent=e.agent, nbytes=e.nbytes)
+                     for e in self._entries.values()]
+                    + [dict(tokens=int(e.ids.numel()), exact=True, agent=e.agent, nbytes=e.nbytes)
+                       for e in self._states.values()])
 
     def _check_policy_for_sliding(self, policy: str) -> None:
         if policy not in ("auto", "full", "prefix"):
@@ -448,9 +489,10 @@ class ReuseSession:
 
     # -- generate --------------------------------------------------------------------------------------------
     def _check_policy_for_states(self, policy: str) -> None:
-        if policy not in ("auto", "full"):
+        if policy not in ("auto", "full", "prefix"):
             raise ValueError(f"policy={policy!r} reuses K/V that {type(self.model).__name__} does not have: its "
-                             f"{self._state_reason}. Use policy 'auto' or 'full' (plain generate)")
+                             f"{self._state_reason}. Use policy 'auto' or 'prefix' (exact prefixes through held "
+                             "states), or 'full' (plain generate)")
 
     def generate(self, input_ids, agent: str | None = None, policy: str | None = None, **generate_kwargs):
         """``model.generate(input_ids, **generate_kwargs)`` with the session's caches reused.
@@ -484,9 +526,11 @@ class ReuseSession:
                              f"{opts.mode} with {opts.sequences} sequences: use policy 'auto' or 'prefix' (exact "
                              "prefix reuse), or 'full'")
         with self._lock:  # one call at a time: held caches and stats belong to the session
-            if self._state_reason:  # plain generate, nothing held: the default steps down, never raises
-                return self._generate_uncached(ids, agent, policy, generate_kwargs, timed=opts.sequences == 1,
-                                               reason=f"{self._state_reason}: plain generate, nothing held")
+            if self._state_reason:  # whole held states, reused where they stand for a prefix of the prompt
+                if policy == "full" or not opts.use_cache or not opts.stepwise:
+                    return self._generate_uncached(ids, agent, policy, generate_kwargs, timed=opts.sequences == 1,
+                                                   reason=f"{self._state_reason}: plain generate, nothing held")
+                return self._generate_states(ids, agent, policy, generate_kwargs)
             if not opts.use_cache:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
             return self._generate(ids, agent, policy, generate_kwargs, opts)
@@ -520,6 +564,60 @@ class ReuseSession:
         self.calls += 1
         self.last_stats = stats
         return out
+
+    def _generate_states(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
+        """A recurrent-state model: the longest held state that stands for a prefix of the prompt (a copy of it;
+        the held one is never fed), then plain ``generate`` over the rest. Held after the call: the state at the
+        prompt's end (copied when the first token is out, so it costs no first-token time) and the state the call
+        ends with. The convolution and recurrent states sum their whole prefix, so a state is reused only for
+        exactly the tokens it was taken at, as the hybrid prefix caches of vLLM and SGLang do."""
+        n = ids.shape[1]
+        stats = SessionStats(policy=policy, method="full", agent=agent, prompt_tokens=n, new_tokens=n)
+        producer = self._producer()
+        cpu_ids = ids[0].cpu()
+        with self._state:
+            found = [(e.ids.numel(), key) for key, e in self._states.items() if e.producer == producer
+                     and e.ids.numel() <= n - 1 and torch.equal(e.ids, cpu_ids[:e.ids.numel()])]
+            key = max(found)[1] if found else None
+            if key is not None:
+                self._states.move_to_end(key)
+                held = self._states[key]
+        if key is not None:
+            cache = copy.deepcopy(held.cache)
+            stats.method, stats.exact_prefix_tokens, stats.new_tokens = "prefix", held.ids.numel(), n - held.ids.numel()
+            stats.reason = "recurrent-state layers: an exact prefix through a held state taken at its last token"
+        else:
+            cache = state_cache(self.model)
+            stats.reason = f"{self._state_reason}: no held state stands for a prefix of this prompt"
+        snap = _FirstTokenCopy(cache, n)
+        out = self._timed_generate(ids, cache, kwargs, stats, also=snap)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        stats.generated_tokens = int(sequences.shape[1] - n)
+        stats.exact = stats.exact_output = True
+        final = cache if cache is not None else getattr(out, "past_key_values", None)
+        with self._state:
+            if snap.copy is not None:
+                self._hold_state(cpu_ids, snap.copy, agent, producer, stats)
+            length = _state_length(final)
+            if length is not None and n < length <= sequences.shape[1]:
+                self._hold_state(sequences[0, :length].cpu(), copy.deepcopy(final), agent, producer, stats)
+            stats.held_bytes = self.nbytes
+        self.calls += 1
+        self.last_stats = stats
+        return out
+
+    def _hold_state(self, ids: torch.Tensor, cache, agent, producer: str, stats: SessionStats) -> None:
+        entry = _StateEntry(ids=ids, cache=cache, agent=agent, producer=producer, nbytes=tensor_bytes(cache))
+        if entry.nbytes > self.max_bytes:
+            return
+        for key in [k for k, e in self._states.items() if torch.equal(e.ids, ids) and e.producer == producer]:
+            del self._states[key]  # the same tokens: the newer copy replaces it
+        self._states[self._next_key] = entry
+        self._next_key += 1
+        stats.stored = True
+        while self.nbytes > self.max_bytes:
+            self._states.popitem(last=False)
+            stats.evicted += 1
 
     def _check_ids(self, input_ids, kwargs: dict) -> torch.Tensor:
         ids = prompt_ids(input_ids, "input_ids", kwargs.get("attention_mask"))  # a BatchEncoding too
@@ -680,13 +778,15 @@ class ReuseSession:
             return f"the partial prefill does not reproduce it ({report.engine_reason}): exact prefix reuse"
         return ""
 
-    def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats, timed: bool = True):
+    def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats, timed: bool = True,
+                        also=None):
         """``model.generate`` with ``cache`` (None: no cache keyword); TTFT and total time from a streamer (the
-        caller's still gets every token). ``timed=False`` (beam search refuses streamers): total time only."""
+        caller's still gets every token; ``also``, another streamer, after both). ``timed=False`` (beam search
+        refuses streamers): total time only."""
         kwargs = dict(kwargs)
         timer = TokenTimer(ids.device)
         if timed:
-            kwargs["streamer"] = _Tee(timer, kwargs.get("streamer"))
+            kwargs["streamer"] = _Tee(timer, kwargs.get("streamer"), also)
         if cache is not None:
             kwargs[CACHE_KW] = cache
         timer.start()
