@@ -54,6 +54,7 @@ def short_reason(msg: str) -> str:
         (r"partial recompute fails", "partial-recompute engine fails"),
         (r"does not reproduce a plain forward", "partial-recompute engine is not exact"),
         (r"sliding", "sliding-window layers"),
+        (r"linear-attention / recurrent-state", "linear-attention / recurrent-state layers"),
         (r"rope_type=", "length-dependent rope_type"),
     ]
     for pattern, text in rules:

@@ -79,6 +79,13 @@ def _optimistic(path: Path) -> str:
     return _printed(_bench("optimistic").print_table, json.loads(path.read_text())["rows"])
 
 
+def _family_table(path: Path) -> str:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import family_table
+
+    return family_table.table(json.loads(path.read_text()))
+
+
 def _vllm(path: Path) -> str:
     return _bench("vllm_connector").table(json.loads(path.read_text()))
 
@@ -109,6 +116,8 @@ TABLES = [
     ("vLLM fresh vs vLLM with the connector", "vllm_connector.json", _vllm, "../guide/vllm.md"),
     ("The default (ReuseSession 'auto') against plain generate, SmolLM2-135M, 1 and 2 threads", "defaults_vs_plain.json",
      lambda p: _bench("defaults_vs_plain").table(json.loads(p.read_text())), "../defaults.md"),
+    ("Model families: the session default and the reuse caches on tiny models of each family", "model_families.json",
+     lambda p: _family_table(p), "../model-families.md"),
     ("Gemma 3 270M: the default against plain generate, three agents over a document of three windows",
      "gemma_workflow.json", lambda p: _bench("gemma_workflow").table(json.loads(p.read_text())),
      "../model-families.md"),

@@ -18,35 +18,14 @@ from transformers import DynamicCache
 
 from hf_kvreuse import OptimisticCache, ReuseSession
 from hf_kvreuse.hybrid import state_layers
-
-LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-
+from hf_kvreuse.models.arch_zoo import hybrid_model
 
 @functools.lru_cache(maxsize=None)
 def _model(kind: str):
     try:
-        if kind == "qwen3_next":
-            from transformers.models.qwen3_next import Qwen3NextConfig as Cfg
-            extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                         shared_expert_intermediate_size=32)
-        else:
-            from transformers.models.qwen3_5 import Qwen3_5TextConfig as Cfg
-            extra = {}
-        cfg = Cfg(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                  linear_key_head_dim=16, linear_value_head_dim=16, layer_types=LAYERS, pad_token_id=0,
-                  eos_token_id=2, bos_token_id=1, **extra)
+        return hybrid_model(kind)
     except Exception as e:  # noqa: BLE001 - an architecture missing from this transformers release
         return f"{type(e).__name__}: {e}"
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        m.get_output_embeddings().weight.mul_(20.0)
-    m.generation_config.pad_token_id = 0
-    m.generation_config.eos_token_id = None
-    return m
 
 
 def model(kind):
@@ -56,7 +35,7 @@ def model(kind):
     return m
 
 
-KINDS = ["qwen3_next", "qwen3_5_text"]
+KINDS = ["qwen3_next", "qwen3_5_text"]  # arch_zoo.HYBRIDS
 GEN = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
 

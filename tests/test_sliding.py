@@ -20,18 +20,8 @@ from hypothesis import strategies as st
 from hf_kvreuse import ReuseSession
 from hf_kvreuse.compat import cache_kwargs
 from hf_kvreuse.kv import kv_of
-from hf_kvreuse.models.arch_zoo import zoo_model
+from hf_kvreuse.models.arch_zoo import SLIDING, zoo_model
 
-SLIDING = {
-    "mistral": dict(sliding_window=8, layer_types=["sliding_attention"] * 4),
-    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
-                  layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2),
-    "gemma2": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
-    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
-    "cohere2": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
-    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
-    "gpt_oss": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
-}
 CASES = int(os.environ.get("HF_KVREUSE_SLIDING_CASES", "12"))
 WINDOW = 8
 

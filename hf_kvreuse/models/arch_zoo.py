@@ -199,6 +199,49 @@ def zoo_model(model_type: str, seed: int = 0, logit_scale: float = 20.0, **overr
     return model
 
 
+#: tiny sliding-window configs (window 8), per zoo architecture: every family whose cache keeps sliding layers
+SLIDING = {
+    "mistral": dict(sliding_window=8, layer_types=["sliding_attention"] * 4),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                  layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2),
+    "gemma2": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    "cohere2": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "gpt_oss": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+}
+#: the linear-attention hybrids built by :func:`hybrid_model` (three gated-delta-rule layers, one attention layer)
+HYBRIDS = ("qwen3_next", "qwen3_5_text")
+HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def hybrid_model(kind: str, seed: int = 0, logit_scale: float = 20.0):
+    """A tiny random-init linear-attention hybrid (``kind`` in :data:`HYBRIDS`), as :func:`zoo_model` builds the
+    others; raises where this transformers release lacks the architecture."""
+    from transformers import AutoModelForCausalLM
+
+    if kind == "qwen3_next":
+        from transformers.models.qwen3_next import Qwen3NextConfig as Cfg
+        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=32)
+    elif kind == "qwen3_5_text":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig as Cfg
+        extra = {}
+    else:
+        raise ValueError(f"unknown hybrid {kind!r}: choose one of {HYBRIDS}")
+    cfg = Cfg(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+              linear_key_head_dim=16, linear_value_head_dim=16, layer_types=HYBRID_LAYERS, pad_token_id=0,
+              eos_token_id=2, bos_token_id=1, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The exactness checks every cache must pass on every zoo architecture, or refuse at construction.
 
