@@ -134,6 +134,29 @@ def test_guidance_scale_runs_once_per_token(llama, monkeypatch):
     assert stateful_steps([Scale()]) == []
 
 
+def test_a_refused_call_leaves_the_donor_as_it_was(llama):
+    """A call an OptimisticCache refuses (a stateful processor) leaves the caller's donor cache as it was (every
+    layer's K/V equal), the refused cache says to build a new one instead of serving stale state, and a new cache
+    over the same donor answers as plain generate does. Planted bug that fails it: ``finish`` releases the donors'
+    rows whatever ``release_donor`` says (the donor is empty after the refusal)."""
+    from hf_kvreuse.kv import kv_of
+
+    a, b = agent_prompts(shared=40)
+    donor = llama.generate(a, return_dict_in_generate=True, **GEN)
+    before = [(k.clone(), v.clone()) for k, v in kv_of(output_cache(donor))]
+    cache = OptimisticCache(llama, b, output_cache(donor), donor.sequences, max_optimistic_tokens=3)
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor"):
+        llama.generate(b, cache=cache, guidance_scale=3.0, **GEN)
+    after = list(kv_of(output_cache(donor)))
+    assert len(after) == len(before) and all(torch.equal(k0, k1) and torch.equal(v0, v1)
+                                             for (k0, v0), (k1, v1) in zip(before, after))
+    with pytest.raises(RuntimeError, match="build a new cache"):
+        llama.generate(b, cache=cache, **GEN)
+    fresh = OptimisticCache(llama, b, output_cache(donor), donor.sequences, max_optimistic_tokens=3)
+    out = llama.generate(b, cache=fresh, **GEN)
+    assert torch.equal(out, _plain(llama, b)) and fresh.stats.reused_tokens > 0
+
+
 def test_one_exactness_vocabulary(llama, monkeypatch):
     """``exact_output`` says whether the answer is plain generate's: True under verified drafts (with drafted /
     accepted counts, ``ttft_s`` the first verified token, after ``draft_ttft_s``), False for commit tokens emitted
