@@ -94,6 +94,32 @@ def write(args, samples, layers, heads, dim) -> list[dict]:
     return summary
 
 
+LABELS = {"folder": "folder", "redis-tcp": "Redis TCP", "redis-unix": "Redis unix socket",
+          "folder-protocol": "folder-protocol"}
+
+
+def table(doc: dict) -> str:
+    """The markdown table of a results JSON (save / load medians; ratios against the folder store)."""
+    rows = doc["summary"]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    out = ["| tokens | entry | " + " | ".join(f"{LABELS.get(m, m)} save / load" for m in modes) + " |",
+           "|---|---|" + "---|" * len(modes)]
+    for n in sorted({r["tokens"] for r in rows}):
+        cells = []
+        for m in modes:
+            r = next(x for x in rows if x["tokens"] == n and x["mode"] == m)
+            cell = f"{r['save_ms']:.0f} / {r['load_ms']:.0f} ms"
+            if m != "folder":
+                cell += f" ({r['save_vs_folder']:.2f}x / {r['load_vs_folder']:.2f}x)"
+            cells.append(cell)
+        mib = next(x for x in rows if x["tokens"] == n)["bytes"] / 2**20
+        out.append(f"| {n} | {mib:.0f} MiB | " + " | ".join(cells) + " |")
+    note = doc["config"].get("note")
+    if note:
+        out += ["", f"Recorded with the run: {note}."]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])

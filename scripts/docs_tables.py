@@ -33,7 +33,8 @@ MOVED = {"scripts/gate_": "research/optimistic/gate_", "scripts/verify_start_pro
 
 
 # results that do not record their command: the one their page gives
-KNOWN_COMMANDS = {"vllm_connector.json": "PYTHONPATH=. .venvs/vllm/bin/python benchmarks/vllm_connector.py --workflows 8"}
+KNOWN_COMMANDS = {"vllm_connector.json": "PYTHONPATH=. .venvs/vllm/bin/python benchmarks/vllm_connector.py --workflows 8",
+                  "redis_store.json": "PYTHONPATH=. python benchmarks/redis_store.py --repeats 3"}
 
 
 def _bench(name: str):
@@ -116,6 +117,8 @@ TABLES = [
     ("vLLM fresh vs vLLM with the connector", "vllm_connector.json", _vllm, "../guide/vllm.md"),
     ("The default (ReuseSession 'auto') against plain generate, SmolLM2-135M, 1 and 2 threads", "defaults_vs_plain.json",
      lambda p: _bench("defaults_vs_plain").table(json.loads(p.read_text())), "../defaults.md"),
+    ("K/V store: save and load latency, folder vs Redis (loopback)", "redis_store.json",
+     lambda p: _bench("redis_store").table(json.loads(p.read_text())), "../redis-store.md"),
     ("Model families: the session default and the reuse caches on tiny models of each family", "model_families.json",
      lambda p: _family_table(p), "../model-families.md"),
     ("Gemma 3 270M: the default against plain generate, three agents over a document of three windows",
