@@ -250,6 +250,26 @@ class _StateEntry:
     agent: str | None
     producer: str
     nbytes: int
+    # {b: {layer index: copy of that recurrent-state layer after the first b tokens}}; the K/V layers' first b rows
+    # are those of ``cache``
+    boundaries: dict = dataclasses.field(default_factory=dict)
+
+    def at(self, b: int):
+        """A new cache standing for the first ``b`` tokens (``b`` = every token or a boundary)."""
+        if b == self.ids.numel():
+            return copy.deepcopy(self.cache)
+        snap = self.boundaries[b]
+        cache = copy.copy(self.cache)
+        layers = []
+        for i, layer in enumerate(self.cache.layers):
+            if i in snap:
+                layers.append(copy.deepcopy(snap[i]))
+            else:
+                new = copy.copy(layer)
+                new.keys, new.values = layer.keys[..., :b, :].clone(), layer.values[..., :b, :].clone()
+                layers.append(new)
+        cache.layers = layers
+        return cache
 
 
 class _FirstTokenCopy:
@@ -266,6 +286,20 @@ class _FirstTokenCopy:
 
     def end(self):
         pass
+
+
+def _state_layer_indices(cache) -> list[int] | None:
+    """The recurrent-state layers of a cache whose other layers are plain K/V layers, or None where a layer mixes
+    both, or the cache has no ``layers`` list (no block snapshots then)."""
+    out = []
+    for i, layer in enumerate(getattr(cache, "layers", None) or []):
+        state = hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
+        kv = hasattr(layer, "keys") and hasattr(layer, "values")
+        if state == kv:
+            return None
+        if state:
+            out.append(i)
+    return out or None
 
 
 def _state_length(cache) -> int | None:
@@ -307,6 +341,11 @@ class ReuseSession:
         rows plus a copy of them at the end of each prompt (less memory; a later prompt reuses a prefix only up
         to a held prompt's end, or while the window has not moved past it). The forward is plain ``generate``'s
         either way.
+    state_block : int, default=256
+        Linear-attention hybrids: the prompt is prefilled in blocks of this many tokens and the recurrent-state
+        layers are copied at each block's end, so that a later prompt sharing only a prefix (another agent's prompt
+        over the same document) reuses it up to the last whole block (as vLLM's and SGLang's hybrid prefix caches
+        do). 0: states only at each prompt's and call's end.
 
     Examples
     --------
@@ -327,7 +366,7 @@ class ReuseSession:
 
     def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
                  min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify",
-                 sliding_history: bool = True):
+                 sliding_history: bool = True, state_block: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if max_bytes <= 0:
@@ -347,6 +386,9 @@ class ReuseSession:
         self.min_donor_tokens = min_donor_tokens
         self.method_kwargs = dict(method_kwargs or {})
         self.sliding_history = bool(sliding_history)
+        if state_block < 0:
+            raise ValueError(f"state_block must be >= 0, got {state_block}")
+        self.state_block = int(state_block)
         self.last_stats: SessionStats | None = None
         self.calls = 0
         #: what ``"auto"`` measured on this session's calls (per device and thread count)
@@ -567,47 +609,76 @@ class ReuseSession:
 
     def _generate_states(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
         """A recurrent-state model: the longest held state that stands for a prefix of the prompt (a copy of it;
-        the held one is never fed), then plain ``generate`` over the rest. Held after the call: the state at the
-        prompt's end (copied when the first token is out, so it costs no first-token time) and the state the call
-        ends with. The convolution and recurrent states sum their whole prefix, so a state is reused only for
-        exactly the tokens it was taken at, as the hybrid prefix caches of vLLM and SGLang do."""
+        the held one is never fed), the prompt's rest prefilled in blocks of ``state_block`` tokens with the
+        recurrent-state layers copied at each block's end, then plain ``generate``. Held after the call: the cache
+        at the prompt's end (copied when the first token is out, so it costs no first-token time) and the cache the
+        call ends with, carrying the block copies. The convolution and recurrent states sum their whole prefix, so
+        a state is reused only at exactly the token it was taken at, as the hybrid prefix caches of vLLM and SGLang
+        do."""
         n = ids.shape[1]
         stats = SessionStats(policy=policy, method="full", agent=agent, prompt_tokens=n, new_tokens=n)
         producer = self._producer()
         cpu_ids = ids[0].cpu()
+        best = None  # (tokens, key, entry)
         with self._state:
-            found = [(e.ids.numel(), key) for key, e in self._states.items() if e.producer == producer
-                     and e.ids.numel() <= n - 1 and torch.equal(e.ids, cpu_ids[:e.ids.numel()])]
-            key = max(found)[1] if found else None
-            if key is not None:
-                self._states.move_to_end(key)
-                held = self._states[key]
-        if key is not None:
-            cache = copy.deepcopy(held.cache)
-            stats.method, stats.exact_prefix_tokens, stats.new_tokens = "prefix", held.ids.numel(), n - held.ids.numel()
+            for key, e in self._states.items():
+                if e.producer != producer:
+                    continue
+                for b in [e.ids.numel(), *e.boundaries]:
+                    if b <= n - 1 and (best is None or b > best[0]) and torch.equal(e.ids[:b], cpu_ids[:b]):
+                        best = (b, key, e)
+            if best is not None:
+                self._states.move_to_end(best[1])
+        start, kept = 0, {}
+        if best is not None:
+            start, _, held = best
+            cache = held.at(start)
+            kept = {b: snap for b, snap in held.boundaries.items() if b <= start}
+            stats.method, stats.exact_prefix_tokens, stats.new_tokens = "prefix", start, n - start
             stats.reason = "recurrent-state layers: an exact prefix through a held state taken at its last token"
         else:
             cache = state_cache(self.model)
             stats.reason = f"{self._state_reason}: no held state stands for a prefix of this prompt"
+        blocks: dict = {}
+        state_idx = _state_layer_indices(cache) if cache is not None and self.state_block else None
+
+        def prefill_blocks():  # the prompt up to its last whole block before the last token, a copy at each end
+            from .compat import cache_kwargs
+
+            pos, b = start, (start // self.state_block + 1) * self.state_block
+            with torch.no_grad():
+                while b <= n - 1:
+                    self.model(input_ids=ids[:, pos:b], use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+                    blocks[b] = {i: copy.deepcopy(cache.layers[i]) for i in state_idx}
+                    pos, b = b, b + self.state_block
+
         snap = _FirstTokenCopy(cache, n)
-        out = self._timed_generate(ids, cache, kwargs, stats, also=snap)
+        out = self._timed_generate(ids, cache, kwargs, stats, also=snap,
+                                   before=prefill_blocks if state_idx is not None else None)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
         stats.exact = stats.exact_output = True
         final = cache if cache is not None else getattr(out, "past_key_values", None)
+        boundaries = {**kept, **blocks}
         with self._state:
-            if snap.copy is not None:
-                self._hold_state(cpu_ids, snap.copy, agent, producer, stats)
             length = _state_length(final)
-            if length is not None and n < length <= sequences.shape[1]:
-                self._hold_state(sequences[0, :length].cpu(), copy.deepcopy(final), agent, producer, stats)
+            keep_final = length is not None and n < length <= sequences.shape[1]
+            if snap.copy is not None:
+                self._hold_state(cpu_ids, snap.copy, agent, producer, stats,
+                                 boundaries=None if keep_final else boundaries)
+            if keep_final:
+                self._hold_state(sequences[0, :length].cpu(), copy.deepcopy(final), agent, producer, stats,
+                                 boundaries=boundaries)
             stats.held_bytes = self.nbytes
         self.calls += 1
         self.last_stats = stats
         return out
 
-    def _hold_state(self, ids: torch.Tensor, cache, agent, producer: str, stats: SessionStats) -> None:
-        entry = _StateEntry(ids=ids, cache=cache, agent=agent, producer=producer, nbytes=tensor_bytes(cache))
+    def _hold_state(self, ids: torch.Tensor, cache, agent, producer: str, stats: SessionStats,
+                    boundaries: dict | None = None) -> None:
+        boundaries = {b: snap for b, snap in (boundaries or {}).items() if b < ids.numel()}
+        entry = _StateEntry(ids=ids, cache=cache, agent=agent, producer=producer, boundaries=boundaries,
+                            nbytes=tensor_bytes(cache) + tensor_bytes(boundaries))
         if entry.nbytes > self.max_bytes:
             return
         for key in [k for k, e in self._states.items() if torch.equal(e.ids, ids) and e.producer == producer]:
@@ -779,7 +850,7 @@ class ReuseSession:
         return ""
 
     def _timed_generate(self, ids: torch.Tensor, cache, kwargs: dict, stats: SessionStats, timed: bool = True,
-                        also=None):
+                        also=None, before=None):
         """``model.generate`` with ``cache`` (None: no cache keyword); TTFT and total time from a streamer (the
         caller's still gets every token; ``also``, another streamer, after both). ``timed=False`` (beam search
         refuses streamers): total time only."""
@@ -791,6 +862,8 @@ class ReuseSession:
             kwargs[CACHE_KW] = cache
         timer.start()
         t0 = time.perf_counter()
+        if before is not None:  # work of the call before generate (its time counts to the first token)
+            before()
         out = self.model.generate(ids, **kwargs)
         if timed:
             stats.ttft_s, stats.total_s = timer.ttft_s, timer.total_s

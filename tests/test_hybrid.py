@@ -69,7 +69,7 @@ def test_session_default_is_plain_generate(kind):
     assert len(session) == 0 and session.nbytes == 0  # policy "full": nothing held
 
 
-TURNS = ("answer", "prompt", "fresh", "same")
+TURNS = ("answer", "prompt", "fresh", "same", "shared")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -77,16 +77,21 @@ TURNS = ("answer", "prompt", "fresh", "same")
 @given(data=st.data())
 def test_held_states_give_exact_prefixes(kind, data):
     """Random conversations: each call's prompt extends the last call's answer, or its prompt only, or is fresh,
-    or repeats it (not reused: the held state at its end leaves no token to feed); greedy or seeded sampling; 1-4 new tokens. Every answer (tokens and scores) = plain
+    or repeats it (not reused: the held state at its end leaves no token to feed), or shares only the last prompt's
+    first tokens (another agent over the same document: reused up to the last block end, ``state_block`` 0, 4
+    or 8); greedy or seeded sampling; 1-4 new tokens. Every answer (tokens and scores) = plain
     ``generate``'s with the same seed, and a call whose prompt extends a held state reuses it (``method`` prefix,
     ``exact_prefix_tokens`` = that state's tokens). Planted bugs that fail it: the held state is fed instead of a
     copy (``cache = held.cache``: the next reuse of it starts from a later state: scores differ); the prompt-end
     copy is taken at the second generated token (``self.calls == 3``: no prompt-end state, an extended prompt is
     not reused); the match accepts a held state as long as the prompt (``<= n``: generate is handed a cache with no
-    token left to feed and fails)."""
+    token left to feed and fails); a block copy is taken one token late (``blocks[b + 1]``: the restored layers are
+    a token ahead of the K/V layers: scores differ); the restored K/V layers keep every row (no cut at the block
+    end: the cache is longer than the state)."""
     m = model(kind)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
-    session = ReuseSession(m)
+    block = data.draw(st.sampled_from([0, 4, 8]), label="state_block")
+    session = ReuseSession(m, state_block=block)
     ids, last_out, expect = None, None, 0
     for turn in range(data.draw(st.integers(2, 4), label="calls")):
         how = "fresh" if ids is None else data.draw(st.sampled_from(TURNS), label="turn")
@@ -97,6 +102,12 @@ def test_held_states_give_exact_prefixes(kind, data):
             ids, expect = torch.cat([last_out, extra], 1), last_out.shape[1] - 1
         elif how == "prompt":
             ids, expect = torch.cat([ids, extra], 1), ids.shape[1]
+        elif how == "shared":  # another agent: the first k tokens of the last prompt, then its own
+            k = data.draw(st.integers(1, ids.shape[1]), label="shared")
+            n_last = ids.shape[1]
+            ids = torch.cat([ids[:, :k], extra], 1)
+            reach = min(k, n_last - 1, ids.shape[1] - 1)
+            expect = reach // block * block if block else 0  # the last block end inside the shared tokens
         else:  # the same prompt again: its prompt-end state holds every token (one must be fed): no reuse
             expect = 0
         sample = data.draw(st.booleans(), label="sample")
