@@ -130,7 +130,7 @@ class BaseLRCache(KVReuseCache):
     agent : str, optional
         Fix the agent for every turn; by default each ``generate`` call uses the model's active peft adapter
         (``pm.set_adapter(name)``), or no adapter inside ``with pm.disable_adapter():``.
-    lowrank_max_queries : int or None
+    lowrank_max_queries : int or None, default=16
         Forwards with at most this many new tokens (decode steps, short prefills) attend in the low-rank form
         ``P·V_base + s·(P·L_a)·B_a``. Longer prefills add a transient ``s·L_a·B_a`` (one layer at a time, never
         cached) to the values so the fused sdpa kernel runs: on CPU the low-rank form, whose value width

@@ -6,7 +6,8 @@ For a prompt of ``T`` covered tokens (all but the last, which ``generate`` feeds
 1. **source prefill**: the source model runs the prompt (``T`` rows, its own cache);
 2. **map**: every target layer's K/V from the source's RoPE-stripped K/V of its ``top_k`` source layers
    (:class:`~hf_kvreuse.translation.mapper.KVMapper`); the target's RoPE is re-applied;
-3. **select**: a scorer ranks the positions (rank disagreement by default, read from the mapped K/V alone);
+3. **select**: a scorer ranks the positions (``selector="auto"``: the question's words with a tokenizer, else the
+   first layer's deviation);
    the top ``recompute_ratio * T`` are chosen, always including the first ``sink_tokens`` (attention sinks)
    and the last ``suffix_tokens`` (the new query);
 4. **recompute**: the target runs the selected rows through all of its layers with the partial-recompute
