@@ -64,25 +64,24 @@ def short_reason(msg: str) -> str:
     return msg[:80]
 
 
+def cache_outcome(model, checks) -> str:
+    """"works" when every check passed, "refused: <reason>", or "WRONG" / "ERROR" (a library bug)."""
+    for check in checks:
+        try:
+            refusal = run_check(model, check)
+        except AssertionError as e:
+            return f"WRONG ({check}: {str(e).splitlines()[0][:100]})"
+        except Exception as e:  # noqa: BLE001 - any other error is a bug to report
+            return f"ERROR ({check}: {type(e).__name__}: {str(e)[:100]})"
+        if refusal is not None:
+            return "refused: " + short_reason(refusal)
+    return "works"
+
+
 def verdict(arch: str) -> dict:
     model = enable(zoo_model(arch))
     report = check_model(model)
-    caches = {}
-    for cache, checks in CACHES.items():
-        outcome = "works"
-        for check in checks:
-            try:
-                refusal = run_check(model, check)
-            except AssertionError as e:
-                outcome = f"WRONG ({check}: {str(e).splitlines()[0][:100]})"
-                break
-            except Exception as e:  # noqa: BLE001 - any other error is a bug to report
-                outcome = f"ERROR ({check}: {type(e).__name__}: {str(e)[:100]})"
-                break
-            if refusal is not None:
-                outcome = "refused: " + short_reason(refusal)
-                break
-        caches[cache] = outcome
+    caches = {cache: cache_outcome(model, checks) for cache, checks in CACHES.items()}
     cfg = model.config
     try:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

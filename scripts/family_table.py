@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from arch_table import short_reason  # noqa: E402
+from arch_table import cache_outcome  # noqa: E402
 from hf_kvreuse import ReuseSession, enable  # noqa: E402
-from hf_kvreuse.models.arch_zoo import HYBRIDS, SLIDING, hybrid_model, run_check, zoo_model  # noqa: E402
+from hf_kvreuse.models.arch_zoo import HYBRIDS, SLIDING, hybrid_model, zoo_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "model_families.json"
 CACHES = {"OptimisticCache": ("optimistic",), "DirectReuseCache": ("direct", "reposition"),
@@ -78,23 +78,7 @@ def session_row(model) -> dict:
 
 
 def cache_outcomes(model) -> dict:
-    out = {}
-    for cache, checks in CACHES.items():
-        outcome = "works"
-        for check in checks:
-            try:
-                refusal = run_check(model, check)
-            except AssertionError as e:
-                outcome = f"WRONG ({check}: {str(e).splitlines()[0][:100]})"
-                break
-            except Exception as e:  # noqa: BLE001 - any other error is a library bug to report
-                outcome = f"ERROR ({check}: {type(e).__name__}: {str(e)[:100]})"
-                break
-            if refusal is not None:
-                outcome = "refused: " + short_reason(refusal)
-                break
-        out[cache] = outcome
-    return out
+    return {cache: cache_outcome(model, checks) for cache, checks in CACHES.items()}
 
 
 def table(doc: dict) -> str:

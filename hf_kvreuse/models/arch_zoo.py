@@ -187,9 +187,13 @@ def zoo_model(model_type: str, seed: int = 0, logit_scale: float = 20.0, **overr
 
     ``logit_scale`` multiplies the output embedding so greedy argmax is not a near-tie on random weights.
     """
+    return _random_model(zoo_config(model_type, **overrides), seed, logit_scale)
+
+
+def _random_model(cfg, seed: int, logit_scale: float):
+    """A random-init eval-mode float32 model of ``cfg``, its output embedding scaled, pad 0 and no eos."""
     from transformers import AutoModelForCausalLM
 
-    cfg = zoo_config(model_type, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -218,8 +222,6 @@ HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "fu
 def hybrid_model(kind: str, seed: int = 0, logit_scale: float = 20.0):
     """A tiny random-init linear-attention hybrid (``kind`` in :data:`HYBRIDS`), as :func:`zoo_model` builds the
     others; raises where this transformers release lacks the architecture."""
-    from transformers import AutoModelForCausalLM
-
     if kind == "qwen3_next":
         from transformers.models.qwen3_next import Qwen3NextConfig as Cfg
         extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -233,13 +235,7 @@ def hybrid_model(kind: str, seed: int = 0, logit_scale: float = 20.0):
               num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
               linear_key_head_dim=16, linear_value_head_dim=16, layer_types=HYBRID_LAYERS, pad_token_id=0,
               eos_token_id=2, bos_token_id=1, **extra)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(logit_scale)
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model
+    return _random_model(cfg, seed, logit_scale)
 
 
 # ---------------------------------------------------------------------------------------------------------------
