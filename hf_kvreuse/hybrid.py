@@ -95,3 +95,46 @@ def tensor_bytes(obj, _seen=None) -> int:
         return sum(tensor_bytes(x, seen) for x in vars(obj).values()
                    if isinstance(x, (torch.Tensor, list, tuple, dict)) or type(x).__module__.startswith("transformers"))
     return 0
+
+
+_CONTINUES: "weakref.WeakKeyDictionary" = None  # model -> (config digest, whether a held state continues exactly)
+
+
+def state_continues(model) -> tuple[bool, str]:
+    """(whether ``model`` continues a held cache of this release's own kind exactly, reason): a probe of the
+    model's own code, once per model and config. A 12-token prompt is prefilled at once and as 8 tokens, then 4
+    more over a copy of the cache taken after the 8; the last logits must agree (some releases restart the
+    recurrent state on any prefill of several tokens, which would silently change every later answer)."""
+    import copy
+    import weakref
+
+    import torch
+
+    from .compat import cache_kwargs
+    from .devices import input_device
+    from .fingerprint import config_digest
+
+    global _CONTINUES
+    if _CONTINUES is None:
+        _CONTINUES = weakref.WeakKeyDictionary()
+    key = config_digest(model.config)
+    hit = _CONTINUES.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    result = (False, "this transformers release builds no generic cache for the recurrent-state layers")
+    if state_cache(model) is not None:
+        vocab = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "vocab_size", 32))
+        ids = (torch.arange(12) * 7 % max(vocab - 3, 1) + 3)[None].to(input_device(model))
+        with torch.no_grad():
+            whole = state_cache(model)
+            a = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(whole)).logits[0, -1].float()
+            part = state_cache(model)
+            model(input_ids=ids[:, :8], use_cache=True, logits_to_keep=1, **cache_kwargs(part))
+            part = copy.deepcopy(part)
+            b = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(part)).logits[0, -1].float()
+        err = float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
+        tol = 1e-3 if a.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
+        result = (err <= tol, f"a held state continued over 4 tokens differs from one prefill by {err:.2g} "
+                              f"relative" if err > tol else "")
+    _CONTINUES[model] = (key, result)
+    return result

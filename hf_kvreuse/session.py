@@ -50,7 +50,7 @@ from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
-from .hybrid import state_cache, state_reason, tensor_bytes
+from .hybrid import state_cache, state_continues, state_reason, tensor_bytes
 from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
 from .timing import TokenTimer, synchronize
 
@@ -569,9 +569,14 @@ class ReuseSession:
                              "prefix reuse), or 'full'")
         with self._lock:  # one call at a time: held caches and stats belong to the session
             if self._state_reason:  # whole held states, reused where they stand for a prefix of the prompt
-                if policy == "full" or not opts.use_cache or not opts.stepwise:
+                continues, why = state_continues(_generation_config_model(self.model))
+                if policy == "prefix" and not continues:
+                    raise ValueError(f"policy='prefix' cannot reuse held states of {type(self.model).__name__}: "
+                                     f"{why}. Use policy 'auto' or 'full' (plain generate)")
+                if policy == "full" or not opts.use_cache or not opts.stepwise or not continues:
+                    reason = f"{self._state_reason}: plain generate, nothing held" + (f" ({why})" if why else "")
                     return self._generate_uncached(ids, agent, policy, generate_kwargs, timed=opts.sequences == 1,
-                                                   reason=f"{self._state_reason}: plain generate, nothing held")
+                                                   reason=reason)
                 return self._generate_states(ids, agent, policy, generate_kwargs)
             if not opts.use_cache:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from hf_kvreuse import OptimisticCache, ReuseSession
-from hf_kvreuse.hybrid import state_layers
+from hf_kvreuse.hybrid import state_continues, state_layers
 from hf_kvreuse.models.arch_zoo import hybrid_model
 
 @functools.lru_cache(maxsize=None)
@@ -85,12 +85,14 @@ def test_held_states_give_exact_prefixes(kind, data):
     copy (``cache = held.cache``: the next reuse of it starts from a later state: scores differ); the prompt-end
     copy is taken at the second generated token (``self.calls == 3``: no prompt-end state, an extended prompt is
     not reused); the match accepts a held state as long as the prompt (``<= n``: generate is handed a cache with no
-    token left to feed and fails); a block copy is taken one token late (``blocks[b + 1]``: the restored layers are
+    token left to feed and fails); ``state_continues`` always True (on a release whose model restarts the state
+    on a multi-token prefill, transformers 4.57's Qwen3-Next, the answers differ); a block copy is taken one token late (``blocks[b + 1]``: the restored layers are
     a token ahead of the K/V layers: scores differ); the restored K/V layers keep every row (no cut at the block
     end: the cache is longer than the state)."""
     m = model(kind)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     block = data.draw(st.sampled_from([0, 4, 8]), label="state_block")
+    continues = state_continues(m)[0]
     session = ReuseSession(m, state_block=block)
     ids, last_out, expect = None, None, 0
     for turn in range(data.draw(st.integers(2, 4), label="calls")):
@@ -122,7 +124,9 @@ def test_held_states_give_exact_prefixes(kind, data):
         for a, b in zip(out.scores, ref.scores):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         stats = session.last_stats
-        if expect:
+        if not continues:  # this release cannot continue a held state exactly (probed): plain generate, said why
+            assert stats.method == "full" and "nothing held" in stats.reason, stats
+        elif expect:
             assert stats.method == "prefix" and stats.exact_prefix_tokens >= expect, (how, stats)
         assert stats.exact_output
         last_out = out.sequences

@@ -123,7 +123,7 @@ def test_sliding_window_session_matches_plain_generate(name, policy):
                          **GEN)
         assert torch.equal(out.sequences, ref.sequences), (turn, s.last_stats)
         torch.testing.assert_close(scores_of(out), scores_of(ref), atol=1e-4, rtol=1e-4)
-        if turn in (1, 2):
+        if turn in (1, 2) and policy == "prefix":  # "auto" may measure plain prefill sooner on a tiny model
             assert s.last_stats.exact_prefix_tokens == history[-1].shape[1] - 1, s.last_stats
         history.append(out.sequences)
         ids = torch.cat([out.sequences, toks(4, turn + 10, vocab=200)], 1)
