@@ -73,6 +73,24 @@ def state_cache(model):
     return cache if stateful else None
 
 
+def state_at(cache, b: int, snap: dict):
+    """A new cache standing for the first ``b`` tokens of ``cache``: its K/V layers' first ``b`` rows and, for each
+    recurrent-state layer ``i``, a copy of ``snap[i]`` (that layer after exactly ``b`` tokens)."""
+    import copy
+
+    new_cache = copy.copy(cache)
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if i in snap:
+            layers.append(copy.deepcopy(snap[i]))
+        else:
+            new = copy.copy(layer)
+            new.keys, new.values = layer.keys[..., :b, :].clone(), layer.values[..., :b, :].clone()
+            layers.append(new)
+    new_cache.layers = layers
+    return new_cache
+
+
 def tensor_bytes(obj, _seen=None) -> int:
     """Bytes of every distinct tensor storage reachable from ``obj`` (a cache, its layers, lists, dicts)."""
     import torch
@@ -102,9 +120,10 @@ _CONTINUES: "weakref.WeakKeyDictionary" = None  # model -> (config digest, wheth
 
 def state_continues(model) -> tuple[bool, str]:
     """(whether ``model`` continues a held cache of this release's own kind exactly, reason): a probe of the
-    model's own code, once per model and config. A 12-token prompt is prefilled at once and as 8 tokens, then 4
-    more over a copy of the cache taken after the 8; the last logits must agree (some releases restart the
-    recurrent state on any prefill of several tokens, which would silently change every later answer)."""
+    model's own code, once per model and config. A 12-token prompt is prefilled at once, as 8 tokens then 4 more
+    over a copy of the cache taken after the 8, and as 4 more over that cache cut back to 8 tokens
+    (:func:`state_at`, with the state layers copied after 8); the last logits must agree (some releases restart
+    the recurrent state on any prefill of several tokens, which would silently change every later answer)."""
     import copy
     import weakref
 
@@ -130,9 +149,14 @@ def state_continues(model) -> tuple[bool, str]:
             a = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(whole)).logits[0, -1].float()
             part = state_cache(model)
             model(input_ids=ids[:, :8], use_cache=True, logits_to_keep=1, **cache_kwargs(part))
-            part = copy.deepcopy(part)
-            b = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(part)).logits[0, -1].float()
-        err = float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
+            idx = [i for i, layer in enumerate(part.layers) if not hasattr(layer, "keys")]
+            snap = {i: copy.deepcopy(part.layers[i]) for i in idx}
+            cont = copy.deepcopy(part)
+            b = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(cont)).logits[0, -1].float()
+            # the block path: a cache past the block end cut back to it (K/V rows) with the block's state copies
+            cut = state_at(cont, 8, snap)
+            c = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(cut)).logits[0, -1].float()
+        err = max(float((a - x).abs().max() / a.abs().max().clamp_min(1e-6)) for x in (b, c))
         tol = 1e-3 if a.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
         result = (err <= tol, f"a held state continued over 4 tokens differs from one prefill by {err:.2g} "
                               f"relative" if err > tol else "")

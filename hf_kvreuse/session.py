@@ -50,7 +50,7 @@ from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
-from .hybrid import state_cache, state_continues, state_reason, tensor_bytes
+from .hybrid import state_at, state_cache, state_continues, state_reason, tensor_bytes
 from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
 from .timing import TokenTimer, synchronize
 
@@ -258,18 +258,7 @@ class _StateEntry:
         """A new cache standing for the first ``b`` tokens (``b`` = every token or a boundary)."""
         if b == self.ids.numel():
             return copy.deepcopy(self.cache)
-        snap = self.boundaries[b]
-        cache = copy.copy(self.cache)
-        layers = []
-        for i, layer in enumerate(self.cache.layers):
-            if i in snap:
-                layers.append(copy.deepcopy(snap[i]))
-            else:
-                new = copy.copy(layer)
-                new.keys, new.values = layer.keys[..., :b, :].clone(), layer.values[..., :b, :].clone()
-                layers.append(new)
-        cache.layers = layers
-        return cache
+        return state_at(self.cache, b, self.boundaries[b])
 
 
 class _FirstTokenCopy:

@@ -228,13 +228,13 @@ def test_session_prefix_policy_equals_plain_generate(arch, prompts, kw, extra):
 
 @FUZZ
 @given(arch=st.sampled_from(ARCHS), donor=token_lists(8, 48), target=conversations(calls=(0, 0)),
-       cut=st.tuples(st.integers(0, 40), st.integers(1, 40)), kw=generate_options(),
+       cut=st.tuples(st.integers(0, 40), st.integers(1, 40)), kw=generate_options(sampling=False),
        opts=st.fixed_dictionaries({"min_span": st.integers(1, 8), "donor_exact": st.booleans(),
                                    "repair": st.sampled_from([None, "heads"])}))
 def test_optimistic_verify_equals_plain_generate(arch, donor, target, cut, kw, opts):
     """OptimisticCache(rebase="verify") over a random donor (a plain prefill of random tokens, exact) and a target
-    containing a random piece of it, greedy or seeded sampling: equals plain generate, or refused with a
-    ValueError."""
+    containing a random piece of it (greedy: some sampled option sets make plain generate itself fail on some
+    releases): equals plain generate, or refused with a ValueError."""
     model = model_of(arch)
     a, m = cut
     ids = target[0][:5] + donor[a:a + m] + target[0][5:]
