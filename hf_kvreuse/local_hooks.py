@@ -144,13 +144,13 @@ def others_active(name: str) -> bool:
 
 def _dispatch(base_fn: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
-        chain = tuple(sorted(_WRAPPERS.items(), key=lambda kv: kv[1][0]))
-        fn = _COMPOSED.get((id(base_fn), chain))
+        key_ = (id(base_fn), len(_WRAPPERS))  # wrappers are only ever added: their count names the chain
+        fn = _COMPOSED.get(key_)
         if fn is None:
             fn = base_fn
-            for _, (_, wrap) in reversed(chain):
+            for _, (_, wrap) in reversed(sorted(_WRAPPERS.items(), key=lambda kv: kv[1][0])):
                 fn = wrap(fn)
-            _COMPOSED[(id(base_fn), chain)] = fn
+            _COMPOSED[key_] = fn
         return fn(module, query, key, value, attention_mask, **kwargs)
 
     return attention
