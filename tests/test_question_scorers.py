@@ -230,16 +230,26 @@ def test_question_words_by_name_needs_the_tokenizer(pair):
         TranslatedCache(tgt, src, mapper, ids, tokenizer=Small())
 
 
-def test_default_selector_is_question_words_with_a_tokenizer(pair):
-    """selector="auto" (the default): question-words with tokenizer=, first-layer without. Planted bug: "auto" always
-    first-layer -> fails."""
+def test_auto_falls_back_to_question_words_with_a_tokenizer(pair):
+    """selector="auto" (the default) is source attention, with or without a tokenizer; given a source cache without
+    the hidden states source attention reads, it falls back to question-words with tokenizer=, first-layer without.
+    Planted bug: the fallback always first-layer -> fails."""
+    from transformers import DynamicCache
+
     from hf_kvreuse import FirstLayerDeviationScorer
+    from hf_kvreuse.translation.source_attention import SourceAttentionScorer
 
     src, tgt, mapper = pair
     ids = _prompt()
-    assert isinstance(TranslatedCache(tgt, src, mapper, ids).scorer, FirstLayerDeviationScorer)
-    c = TranslatedCache(tgt, src, mapper, ids, tokenizer=WordTokenizer())
+    assert isinstance(TranslatedCache(tgt, src, mapper, ids).scorer, SourceAttentionScorer)
+    assert isinstance(TranslatedCache(tgt, src, mapper, ids, tokenizer=WordTokenizer()).scorer, SourceAttentionScorer)
+    sc = DynamicCache(config=src.config)
+    src(input_ids=ids[:, :-1], past_key_values=sc, use_cache=True)
+    c = TranslatedCache(tgt, src, mapper, ids, source_cache=sc, tokenizer=WordTokenizer())
     assert isinstance(c.scorer, QuestionWordScorer) and c.scorer.share == 1.0
+    assert "question-words" in c.stats.selector_note
+    c = TranslatedCache(tgt, src, mapper, ids, source_cache=sc)
+    assert isinstance(c.scorer, FirstLayerDeviationScorer)
 
 
 def test_attention_probe_is_invisible_to_another_threads_generate(pair):

@@ -5,6 +5,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from hf_kvreuse import KVMapper, TranslatedCache, enable
@@ -12,9 +14,11 @@ from hf_kvreuse.compat import cache_kwargs
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.models import tiny_model
 from hf_kvreuse.rope import RopeShifter
+from hf_kvreuse.translation import source_attention as sa
 from hf_kvreuse.translation.mapper import run_source
 from hf_kvreuse.translation.selection import make_scorer
-from hf_kvreuse.translation.source_attention import SourceAttentionScorer, row_attention, source_queries
+from hf_kvreuse.translation.source_attention import (DEPTH, SourceAttentionScorer, depth_layers, row_attention,
+                                                     source_queries)
 
 SRC_KW = dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
               intermediate_size=96)
@@ -77,7 +81,7 @@ def test_cache_scores_are_the_source_attention_and_ratio_one_is_full_prefill(pai
     src, tgt, mapper = pair
     ids = _prompt(60)
     n = ids.shape[1] - 1
-    sc = SourceAttentionScorer(layers=[0, 2], pool=3)
+    sc = SourceAttentionScorer(layers=[0, 2], pool=3, window=None)  # window None: the marked suffix's rows
     cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector=sc, suffix_tokens=8)
     out = tgt.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 2
@@ -128,7 +132,7 @@ def test_no_marked_question_still_gets_a_selection(pair):
     scorer alone). Planted bug that fails it: window taken from suffix_tokens without the fallback."""
     src, tgt, mapper = pair
     ids = _prompt(60, seed=3)
-    sc = SourceAttentionScorer()
+    sc = SourceAttentionScorer(window=None)
     cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector=sc, suffix_tokens=0)
     tgt.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
     assert sc.chosen.numel() > 0 and float(sc._attn.sum()) > 0
@@ -170,3 +174,71 @@ def test_run_source_capture_is_local_to_its_context(pair):
         h.remove()
     assert fired.is_set()
     torch.testing.assert_close(got, ref)
+
+
+@given(st.integers(1, 128), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+@settings(max_examples=200, deadline=None)
+def test_depth_band_layers(num_layers, a, b):
+    """The default layers: non-empty, inside the model, contiguous, each at a depth within the band whenever any
+    layer is; the calibrated band gives layers 15-20 of a 24-layer source (what was measured). Planted bug that
+    fails it: the band read as layer indices of a 24-layer model (no scaling with depth)."""
+    lo, hi = min(a, b), max(a, b)
+    got = depth_layers(num_layers, (lo, hi))
+    assert got and all(0 <= s < num_layers for s in got)
+    assert list(got) == list(range(got[0], got[-1] + 1))
+    if any(lo <= s / num_layers <= hi for s in range(num_layers)):
+        assert all(lo <= s / num_layers <= hi for s in got)
+    assert depth_layers(24) == tuple(range(15, 21)) and DEPTH == (0.6, 0.85)
+
+
+@torch.no_grad()
+def test_auto_is_the_last_rows_source_attention_over_the_depth_band(pair):
+    """``selector="auto"`` scores with the source's last covered row over the depth-band layers (the measured
+    winner) and spends the free budget on its top rows. Planted bugs that fail it: auto still question-words /
+    first-layer; the default window the suffix rows; every layer summed instead of the band."""
+    src, tgt, mapper = pair
+    ids = _prompt(60, seed=11)
+    n = ids.shape[1] - 1
+    cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, suffix_tokens=8)
+    assert isinstance(cache.scorer, SourceAttentionScorer) and cache.stats.selector == "source-attention"
+    assert cache.stats.selector_note == ""
+    tgt.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    layers = depth_layers(src.config.num_hidden_layers)
+    ref = DynamicCache(config=src.config)
+    hidden = run_source(src, ids[:, :n], ref, layers)
+    kv, shifter, pos = kv_of(ref), RopeShifter(src), torch.arange(n - 1, n)
+    acc = sum(row_attention(source_queries(src, s, hidden[s][n - 1:], pos, shifter), kv[s][0][0], pos)
+              .mean(dim=(0, 1)) for s in layers)
+    acc = torch.nn.functional.max_pool1d(acc[None, None], 7, stride=1, padding=3)[0, 0]
+    torch.testing.assert_close(cache.scorer._attn, acc, atol=1e-5, rtol=1e-4)
+    forced, free = cache.forced_rows(n)
+    pri = acc.clone()
+    pri[forced] = 0
+    assert set(torch.topk(pri, free).indices.tolist()) <= set(cache.selected_rows.tolist())
+
+
+@torch.no_grad()
+def test_auto_falls_back_and_says_why(pair, monkeypatch):
+    """Given a source cache without the band's hidden states, auto falls back to first-layer deviation (no
+    tokenizer) and names the missing layers in ``stats.selector_note``; with them it uses source attention; a
+    source model whose queries it cannot rebuild is refused by name when the selector is named and makes auto
+    fall back. Planted bugs that fail it: auto raises instead of falling back; the note left empty."""
+    src, tgt, mapper = pair
+    ids = _prompt(40, seed=2)
+    n = ids.shape[1] - 1
+    sc_cache = DynamicCache(config=src.config)
+    hidden = run_source(src, ids[:, :n], sc_cache, range(src.config.num_hidden_layers))
+    c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, source_cache=sc_cache)
+    assert c.stats.selector == "first-layer" and "source_hidden" in c.stats.selector_note
+    assert str(depth_layers(src.config.num_hidden_layers)[0]) in c.stats.selector_note
+    tgt.generate(ids, past_key_values=c, max_new_tokens=1, do_sample=False)
+    c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, source_cache=sc_cache, source_hidden=hidden)
+    assert c.stats.selector == "source-attention" and c.stats.selector_note == ""
+    fused = tiny_model("qwen2", seed=1, **SRC_KW)
+    del fused.model.layers[depth_layers(3)[0]].self_attn.q_proj
+    assert "q_proj" in sa.unsupported(fused, depth_layers(3)) and sa.unsupported(src, range(3)) == ""
+    monkeypatch.setattr(sa, "unsupported", lambda model, layers: "layer 2 has no self_attn.q_proj")
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM.*q_proj"):
+        TranslatedCache(tgt, src, mapper, ids, selector="source-attention")
+    c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3)
+    assert c.stats.selector == "first-layer" and "q_proj" in c.stats.selector_note

@@ -310,7 +310,7 @@ def test_errors(pair):
     with pytest.raises(ValueError, match="vocabulary"):
         TranslatedCache(tgt, src, mapper, torch.tensor([[1, 2, 500]]))
     cache = TranslatedCache(tgt, src, mapper, ids)
-    assert cache.scorer.name == "first-layer"  # the measured default (README, issue 24)
+    assert cache.scorer.name == "source-attention"  # the measured default (research notes)
     with pytest.raises(ValueError, match="different input_ids"):
         tgt.generate(_prompt(40, 99), cache=cache, max_new_tokens=1)
 

@@ -6,8 +6,8 @@ For a prompt of ``T`` covered tokens (all but the last, which ``generate`` feeds
 1. **source prefill**: the source model runs the prompt (``T`` rows, its own cache);
 2. **map**: every target layer's K/V from the source's RoPE-stripped K/V of its ``top_k`` source layers
    (:class:`~hf_kvreuse.translation.mapper.KVMapper`); the target's RoPE is re-applied;
-3. **select**: a scorer ranks the positions (``selector="auto"``: the question's words with a tokenizer, else the
-   first layer's deviation);
+3. **select**: a scorer ranks the positions (``selector="auto"``: the attention the source model's last prompt row
+   pays to each position over its upper-middle layers, CacheClip-style);
    the top ``recompute_ratio * T`` are chosen, always including the first ``sink_tokens`` (attention sinks)
    and the last ``suffix_tokens`` (the new query);
 4. **recompute**: the target runs the selected rows through all of its layers with the partial-recompute
@@ -54,6 +54,8 @@ class TranslatedStats:
         The ratio asked for.
     selector : str
         The scorer that chose the rows.
+    selector_note : str
+        Why ``selector="auto"`` did not use its first choice (empty when it did, or when a selector was named).
     exact_layers : int
         Leading target layers computed for every row (the first-layer scorer).
     source_prefill_s, map_s, select_s, recompute_s : float
@@ -72,6 +74,7 @@ class TranslatedStats:
     forced_tokens: int = 0          # sinks + suffix among them
     recompute_ratio: float = 0.0
     selector: str = ""
+    selector_note: str = ""         # why "auto" fell back from source attention ("" when it did not)
     exact_layers: int = 0           # leading target layers computed for every row (first-layer scorer)
     source_prefill_s: float = 0.0
     map_s: float = 0.0              # RoPE strip, linear maps, RoPE re-apply (and the scorer's observation)
@@ -82,6 +85,28 @@ class TranslatedStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _auto_selector(source_model, source_cache, source_hidden, input_ids, tokenizer):
+    """``selector="auto"``: source attention over the source's upper-middle layers (measured best, research notes);
+    when a given source cache comes without those layers' hidden states, question-words (with a tokenizer) or
+    first-layer deviation, and the reason."""
+    from ..translation.source_attention import SourceAttentionScorer, depth_layers, unsupported
+
+    need = depth_layers(source_model.config.num_hidden_layers)
+    fallback = "question-words" if tokenizer is not None else "first-layer"
+    reason = unsupported(source_model, need)
+    if reason:
+        return fallback, f"auto chose {fallback}: source attention cannot read this source model ({reason})"
+    if source_cache is None:  # the cache's own source prefill captures what the scorer reads
+        return SourceAttentionScorer(), ""
+    rows = input_ids.shape[-1] - 1
+    missing = [s for s in need if source_hidden is None or s not in source_hidden
+               or source_hidden[s].shape[-2] < rows]
+    if not missing:
+        return SourceAttentionScorer(), ""
+    return fallback, (f"auto chose {fallback}: source_hidden lacks the source layers {missing} that source attention "
+                      "reads (pass source_hidden= from the same prefill, run_source, to get it)")
 
 
 class TranslatedCache(KVReuseCache):
@@ -100,16 +125,20 @@ class TranslatedCache(KVReuseCache):
     recompute_ratio : float, default=0.3
         Fraction of the covered prompt rows the target recomputes (RaReCache's default on a 23x gap).
     selector : str or Scorer, default="auto"
-        How positions are chosen (:mod:`hf_kvreuse.translation.scorers`, :mod:`hf_kvreuse.translation.question`):
+        How positions are chosen (:mod:`hf_kvreuse.translation.source_attention`,
+        :mod:`hf_kvreuse.translation.scorers`, :mod:`hf_kvreuse.translation.question`): ``"source-attention"``,
         ``"question-words"`` (needs ``tokenizer``), ``"first-layer"``, ``"rank"``, ``"first-layer+rank"``,
         ``"random"``, ``"question-attention"``, or a Scorer (``"oracle"`` needs an
         :class:`~hf_kvreuse.translation.scorers.OracleScorer` built with the target's true K/V). ``"auto"``:
-        ``"question-words"`` when ``tokenizer`` is given, else ``"first-layer"``. Chosen by measurement (research notes,
-        TranslatedCache) on the Qwen 0.5B -> 1.5B pair at ratio 0.3, n = 100 SQuAD questions, fp32: the context rows near
-        several of the question's rarer words first, then first-layer deviation, retain 78% of the target's
-        accuracy, +21 points [+10, +31] over first-layer deviation alone (52%), which itself retained +23 points
-        more than rank disagreement (bf16 run). The scorers that run the target's layers 0-1 for every row (both
-        of these) do so only when ``0 < recompute_ratio < 1``.
+        ``"source-attention"`` (the attention of the source's last covered row, summed over the source layers at
+        60-85% of its depth, then first-layer deviation for ties); it needs no marked question and no shared
+        words. With a ``source_cache`` whose ``source_hidden`` lacks those layers it falls back to
+        ``"question-words"`` (with ``tokenizer``) or ``"first-layer"`` and says why in ``stats.selector_note``.
+        Chosen by measurement (research notes, TranslatedCache selection) on the Qwen2.5-Coder 0.5B -> 1.5B pair
+        at ratio 0.3, fp32, n = 100 per dataset: retention 97% [88, 108] on SQuAD and 103% [95, 112] on CoQA
+        first turns, against question-words 78% / 80%, first-layer deviation 52% / 64% and the source model alone
+        78% / 76%. Every scorer here but ``"random"``, ``"rank"`` and ``"oracle"`` runs the target's layers 0-1
+        for every row, only when ``0 < recompute_ratio < 1``.
     sink_tokens : int, default=4
         Leading rows always recomputed when ``recompute_ratio > 0``.
     suffix_tokens : int, default=16
@@ -130,9 +159,10 @@ class TranslatedCache(KVReuseCache):
         the selected rows then recompute only the layers after them, from the prefix's hidden states. A scorer
         that runs leading layers itself (``"first-layer"``) raises this to its own count.
     tokenizer : optional
-        The pair's tokenizer: with it the default selector is ``"question-words"``
+        The pair's tokenizer: ``"question-words"``
         (:class:`~hf_kvreuse.translation.question.QuestionWordScorer`: the context rows near several of the
-        question's rarer words first, then first-layer deviation), which is refused without it.
+        question's rarer words first, then first-layer deviation) needs it and is refused without it; ``"auto"``
+        falls back to it when it cannot read the source's attention.
     """
 
     requires = {"rope": True, "engine": True, "layers": True}
@@ -163,8 +193,9 @@ class TranslatedCache(KVReuseCache):
         enable(model)
         self.source_model, self.mapper = source_model, mapper
         self.recompute_ratio, self.sink_tokens, self.suffix_tokens = recompute_ratio, sink_tokens, suffix_tokens
-        if selector == "auto":  # measured best (research notes): the question's words need the tokenizer
-            selector = "question-words" if tokenizer is not None else "first-layer"
+        note = ""
+        if isinstance(selector, str) and selector == "auto":
+            selector, note = _auto_selector(source_model, source_cache, source_hidden, input_ids, tokenizer)
         self.scorer = make_scorer(selector, mapper, seed=seed, tokenizer=tokenizer)
         self._src_shifter = RopeShifter(source_model, layout=src_check.rope_layout)
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)
@@ -201,7 +232,7 @@ class TranslatedCache(KVReuseCache):
         self._prefix_hidden = None
         self.exact_layers = 0
         self.selected_rows = torch.zeros(0, dtype=torch.long)
-        self.stats = TranslatedStats(recompute_ratio=recompute_ratio, selector=self.scorer.name)
+        self.stats = TranslatedStats(recompute_ratio=recompute_ratio, selector=self.scorer.name, selector_note=note)
 
     _shared_attrs = KVReuseCache._shared_attrs + ("source_model", "mapper", "scorer", "_src_shifter", "source_cache",
                                                   "source_hidden")

@@ -7,7 +7,7 @@ answer needs exact is the part of the context the question is about. Two ways to
 the selected rows, each spending a ``share`` of the free budget (after the forced sinks and question rows) on its
 rows and the rest on a base scorer (first-layer deviation by default):
 
-* :class:`QuestionWordScorer` (``selector="question-words"``, the default when the cache gets the tokenizer): the
+* :class:`QuestionWordScorer` (``selector="question-words"``; ``"auto"``'s fallback with a tokenizer): the
   context rows near several of the question's rarer words, densest first; no model runs. This project's heuristic
   (as FocusRecomputeCache's focus rows). Measured (research notes, TranslatedCache, n = 100 SQuAD questions, ratio 0.3): 78% of the
   target's accuracy against 52% for first-layer deviation alone, +21 points [+10, +31] paired.

@@ -426,7 +426,7 @@ def exact_layers(c: dict) -> int:
     the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
     if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span",
-                                                       "source-attention")):
+                                                       "source-attention", "auto")):
         at_c = c["scorer"].startswith("first-layer@")  # the question scorers' "@" is their share
         e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else 1) + 1)
     return e
