@@ -306,7 +306,8 @@ def run(a, argv) -> None:
             ans = _answer(tok, gen, ids.shape[1])
             run_rec = {"answer": ans, "ok": contains_answer(ans, ref["gold"]), "agree": ans == ref["full"],
                        "recomputed": cache.stats.recomputed_tokens, "exact_layers": cache.stats.exact_layers,
-                       "s": time.perf_counter() - t1, "assemble_s": cache.stats.assemble_s}
+                       "s": time.perf_counter() - t1, "assemble_s": cache.stats.assemble_s,
+                       "selector": cache.stats.selector, "selector_note": cache.stats.selector_note}
             # the assembled cache against the target's own K/V: recomputed rows (they read mapped K/V of the
             # others) and mapped rows, per layer (sinks, rows 0-3, left out: outliers, always recomputed)
             if hasattr(cache.scorer, "chosen"):  # question-first scorers: how many rows their own rule chose
