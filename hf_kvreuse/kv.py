@@ -139,6 +139,8 @@ def load_kv(cache: Cache, kv: KV, seq_length: int | None = None) -> Cache:
     ``seq_length``: how many tokens the K/V stand for (default: the most rows any layer holds). A sliding-window
     layer (transformers' ``DynamicSlidingWindowLayer``) keeps only its last ``window - 1`` rows, so its token count
     is recorded separately (``cumulative_length``): it sizes the mask and decides what the next update drops.
+    Given every row of such a layer (``seq_length`` of them, as a full-attention layer holds them), it keeps the
+    last ``window - 1``: what plain prefill leaves there.
     """
     if len(kv) != len(cache.layers):
         raise ValueError(f"KV has {len(kv)} layers, the cache {len(cache.layers)}")
@@ -147,6 +149,8 @@ def load_kv(cache: Cache, kv: KV, seq_length: int | None = None) -> Cache:
     for layer, (k, v) in zip(cache.layers, kv):
         init_layer(layer, k, v)
         window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+        if window is not None and k.shape[-2] == seq_length > window - 1:  # every row given: keep the window's
+            k, v = k[..., seq_length - window + 1:, :], v[..., seq_length - window + 1:, :]
         if window is not None and k.shape[-2] != min(seq_length, window - 1):
             raise ValueError(f"a sliding-window layer (window {window}) of a cache of {seq_length} tokens holds "
                              f"{min(seq_length, window - 1)} rows, got {k.shape[-2]}")

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .rotary import ROPE_LAYOUTS, RotaryShifter, UnsupportedRopeError, check_rope_supported, find_rotary_embedding
+from .rotary import (ROPE_LAYOUTS, RotaryShifter, UnsupportedRopeError, check_rope_supported, find_rotary_embedding,
+                     layer_rotaries)
 
 PROBE_TOKENS = 8
 PROBE_SHIFT = 37
@@ -124,7 +125,16 @@ def _probe_ids(model, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     hi = max(4, min(vocab, 32000))
-    return torch.randint(3 if hi > 8 else 0, hi, (1, PROBE_TOKENS), generator=g).to(device)
+    return torch.randint(3 if hi > 8 else 0, hi, (1, _probe_tokens(model)), generator=g).to(device)
+
+
+def _probe_tokens(model) -> int:
+    """:data:`PROBE_TOKENS`; on a model with sliding-window layers, enough to pass a window of up to 64 tokens
+    (the probes then check the window's mask too; a wider window's rule is the same)."""
+    from .sliding import layer_windows
+
+    windows = [w for w in layer_windows(model.config) if w is not None]
+    return max(PROBE_TOKENS, min(min(windows) + 4, 68)) if windows else PROBE_TOKENS
 
 
 def _forward_kv(model, ids, starts: tuple[int, ...]):
@@ -135,11 +145,17 @@ def _forward_kv(model, ids, starts: tuple[int, ...]):
     from .compat import cache_kwargs
     from .kv import kv_of
 
+    from .sliding import keep_history, layer_windows, take_history
+
     cache = DynamicCache(config=model.config)
+    windows = layer_windows(model.config)
+    if any(windows):  # sliding-window layers: every row they computed, as a full-attention layer holds them
+        keep_history(cache, windows)
     batch = ids.expand(len(starts), -1)
     pos = torch.stack([torch.arange(s, s + ids.shape[1], device=ids.device) for s in starts])
     out = model(input_ids=batch, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))
-    kv = kv_of(cache)
+    kv = take_history(cache, windows, ids.shape[1], batch=len(starts)) if any(windows) else None
+    kv = kv if kv is not None else kv_of(cache)
     return [([(k[i:i + 1].clone(), v[i:i + 1].clone()) for k, v in kv], out.logits[i:i + 1])
             for i in range(len(starts))]
 
@@ -147,13 +163,14 @@ def _forward_kv(model, ids, starts: tuple[int, ...]):
 def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
     try:
         check_rope_supported(model)
-        rot = find_rotary_embedding(model)
+        # one rotary module, or per layer its type's frequencies (Gemma 3's local and global bases)
+        rots = layer_rotaries(model) or [find_rotary_embedding(model)] * len(kv0)
     except UnsupportedRopeError as e:
         report.rope_reason = f"{report.model_type}: {e}"
         return
     errors = {}
     for layout in ROPE_LAYOUTS:
-        shifter = RotaryShifter(rot, layout=layout)
+        shifter = RotaryShifter(rots[0], layout=layout)
         errors[layout] = _rel(shifter.shift(kv0[0][0], PROBE_SHIFT), kv1[0][0])
     layout = min(errors, key=errors.get)
     report.extra["layout_errors"] = errors
@@ -163,10 +180,10 @@ def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
                               f"interleaved RoPE layout of the model's own forward (layer-0 key error "
                               + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()) + ")")
         return
-    shifter = RotaryShifter(rot, layout=layout)
+    shifter = RotaryShifter(rots[0], layout=layout)
     pairs = []
-    for (k0, v0), (k1, v1) in zip(kv0, kv1):
-        pairs += [(shifter.shift(k0, PROBE_SHIFT), k1), (v0, v1)]
+    for (k0, v0), (k1, v1), rot in zip(kv0, kv1, rots):
+        pairs += [(RotaryShifter(rot, layout=layout).shift(k0, PROBE_SHIFT), k1), (v0, v1)]
     err, where = _max_rel(pairs)
     report.invariance_error = err
     # moving a whole context re-rounds every layer in half precision (SmolLM2-135M bf16: 0.03 over 30 layers);

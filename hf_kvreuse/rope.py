@@ -19,7 +19,8 @@ from torch import nn
 
 from .model_check import require
 from .rotary import (ROPE_LAYOUTS, SUPPORTED_ROPE_TYPES, RotaryShifter, UnsupportedRopeError,  # noqa: F401
-                     check_rope_supported, find_rotary_embedding, rope_type_of, rotate_half, rotate_pairs)
+                     check_rope_supported, find_rotary_embedding, layer_rotaries, rope_type_of, rotate_half,
+                     rotate_pairs)
 
 
 class RopeShifter(RotaryShifter):

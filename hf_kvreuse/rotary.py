@@ -51,7 +51,26 @@ def find_rotary_embedding(model: nn.Module):
     raise UnsupportedRopeError(f"{type(model).__name__} has no rotary embedding (inv_freq); RoPE models only")
 
 
+def layer_rotaries(model: nn.Module) -> list | None:
+    """Per decoder layer, the frequencies of its layer type, for a model that mixes layer types whose rotary module
+    keeps one ``{type}_inv_freq`` buffer per type (Gemma 3: local and global RoPE bases, OLMo 3); None for a model
+    whose layers share one rotary embedding."""
+    layer_types = list(getattr(getattr(model, "config", None), "layer_types", None) or ())
+    if len(set(layer_types)) <= 1 or any(hasattr(m, "inv_freq") for _, m in model.named_modules()):
+        return None
+    for _, module in model.named_modules():
+        if all(hasattr(module, f"{t}_inv_freq") for t in set(layer_types)):
+            by_type = {t: _LayerTypeRotary(module, t) for t in set(layer_types)}
+            return [by_type[t] for t in layer_types]
+    return None
+
+
 def rope_type_of(model_or_rotary: nn.Module) -> str:
+    if not hasattr(model_or_rotary, "inv_freq"):
+        per = layer_rotaries(model_or_rotary)
+        if per is not None:  # the first unsupported type, else the first
+            types = [getattr(r, "rope_type", "default") for r in per]
+            return next((t for t in types if t not in SUPPORTED_ROPE_TYPES), types[0])
     rot = model_or_rotary if hasattr(model_or_rotary, "inv_freq") else find_rotary_embedding(model_or_rotary)
     return getattr(rot, "rope_type", "default")
 
@@ -94,13 +113,20 @@ class RotaryShifter:
     """
 
     def __init__(self, model: nn.Module, layout: str | None = None):
+        self._layers = None  # per decoder layer, its type's shifter (models with per-type frequencies)
         if hasattr(model, "inv_freq"):  # a rotary module (or one layer type's frequencies)
             rot = model
         else:
             if layout is None:
                 raise ValueError("RotaryShifter does not guess a model's RoPE layout: pass layout=, or use "
                                  "hf_kvreuse.rope.RopeShifter, which takes it from the model check")
-            rot = find_rotary_embedding(model)
+            per = layer_rotaries(model)
+            if per is not None:
+                by_rot = {}
+                self._layers = [by_rot.setdefault(id(r.inv_freq), RotaryShifter(r, layout)) for r in per]
+                rot = per[0]
+            else:
+                rot = find_rotary_embedding(model)
         layout = layout or "half"
         if layout not in ROPE_LAYOUTS:
             raise ValueError(f"layout={layout!r}: choose one of {ROPE_LAYOUTS}")
@@ -112,6 +138,11 @@ class RotaryShifter:
         self.rope_type = rope_type
         self.layout = layout
         self.rotary_dim = 2 * self.inv_freq.numel()
+
+    def for_layer(self, layer_idx: int) -> "RotaryShifter":
+        """The shifter of decoder layer ``layer_idx``: this one, or its layer type's where the model's layer types
+        have their own RoPE frequencies (then :meth:`shift` refuses to guess which)."""
+        return self if self._layers is None else self._layers[layer_idx]
 
     def cos_sin(self, delta: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of ``delta * inv_freq`` in float32, shape ``[..., rot_dim]``."""
@@ -126,6 +157,9 @@ class RotaryShifter:
 
         Pass ``cos_sin`` from :meth:`cos_sin` to reuse it across layers.
         """
+        if self._layers is not None:
+            raise ValueError("this model's layer types have their own RoPE frequencies: shift with "
+                             "for_layer(layer_idx).shift(...)")
         B, H, T, D = keys.shape
         if cos_sin is None:
             if isinstance(delta, int):

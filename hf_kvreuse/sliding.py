@@ -24,7 +24,17 @@ import torch
 
 from .kv import kv_of
 
-__all__ = ["WindowSnapshot", "boundary_kv", "keep_history", "take_history"]
+__all__ = ["WindowSnapshot", "boundary_kv", "crop_rows", "keep_history", "keep_rows", "layer_windows",
+           "take_history"]
+
+
+def layer_windows(config) -> list:
+    """Each layer's sliding window (None: full attention), as transformers' own ``DynamicCache`` builds the layers
+    for ``config``."""
+    from transformers import DynamicCache
+
+    return [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+            for layer in DynamicCache(config=config).layers]
 
 
 _HISTORY_CLASSES: dict[type, type] = {}  # base layer class -> its history-keeping subclass
@@ -80,7 +90,7 @@ def keep_history(cache, windows: list, prefix_kv=None) -> bool:
     return True
 
 
-def take_history(cache, windows: list, tokens: int):
+def take_history(cache, windows: list, tokens: int, batch: int = 1):
     """The K/V of ``cache`` with every row of every layer (``tokens`` rows each): the sliding layers' rows from
     the history :func:`keep_history` started; the layers go back to their own classes. None where a history was
     dropped or does not cover ``tokens`` (the cache's own rows are then all there is)."""
@@ -96,11 +106,48 @@ def take_history(cache, windows: list, tokens: int):
             ok = False
             continue
         k, v = torch.cat([h[0] for h in hist], -2), torch.cat([h[1] for h in hist], -2)
-        if k.shape[-2] != tokens or k.shape[0] != 1:
+        if k.shape[-2] != tokens or k.shape[0] != batch:
             ok = False
             continue
         kv[i] = (k, v)
     return kv if ok else None
+
+
+def keep_rows(cache, windows: list) -> None:
+    """From now on the sliding-window layers of ``cache`` also keep every row they are given, after the rows they
+    hold, so that :func:`crop_rows` can cut them back to fewer tokens (transformers' own sliding layer cannot, once
+    its window has moved: the rows it dropped are gone)."""
+    for layer, w in zip(cache.layers, windows):
+        if w is None:
+            continue
+        held = layer.keys.shape[-2]
+        layer.__class__ = _history_class(type(layer))
+        layer.history = [(layer.keys, layer.values)]
+        layer.history_start = int(layer.cumulative_length) - held  # the token of the first kept row
+
+
+def crop_rows(cache, windows: list, length: int) -> None:
+    """Cut every layer of ``cache`` back to its first ``length`` tokens: full-attention layers by their own
+    ``crop``, sliding-window layers (after :func:`keep_rows`) to the last ``window - 1`` rows of those tokens, what
+    a prefill of ``length`` tokens leaves there; the layers go back to their own classes."""
+    for layer, w in zip(cache.layers, windows):
+        if w is None:
+            if layer.keys.shape[-2] > length:
+                layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+            continue
+        base = getattr(type(layer), "_history_base", None)
+        hist, start = getattr(layer, "history", None), getattr(layer, "history_start", None)
+        if base is None or hist is None or start is None:
+            raise RuntimeError("crop_rows needs the rows keep_rows started to keep (a crop or reset dropped them)")
+        k, v = torch.cat([h[0] for h in hist], -2), torch.cat([h[1] for h in hist], -2)
+        if not start <= length - min(length, w - 1) or start + k.shape[-2] < length:
+            raise RuntimeError(f"crop_rows: the kept rows (tokens {start}..{start + k.shape[-2] - 1}) do not hold "
+                               f"the window of the first {length} tokens")
+        lo = max(0, length - (w - 1)) - start
+        layer.__class__ = base
+        del layer.history, layer.history_start
+        layer.keys, layer.values = k[..., lo:length - start, :], v[..., lo:length - start, :]
+        layer.cumulative_length = length
 
 
 class WindowSnapshot:

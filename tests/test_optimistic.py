@@ -350,12 +350,17 @@ def test_failure_during_assembly_leaves_no_worker(llama, monkeypatch, slow_backg
     assert _no_worker_alive()
 
 
-def test_sliding_window_model_refused():
+def test_sliding_window_model_served_here_refused_by_block_caches():
+    """OptimisticCache serves sliding-window models (tests/test_sliding_optimistic.py); the block caches refuse them
+    when built, naming the model."""
+    from hf_kvreuse import BlockReuseCache
+
     model = tiny_model("mistral", sliding_window=8)
-    ids = torch.randint(3, 128, (1, 12))
-    donor = _donor(enable(model), ids)
-    with pytest.raises(ValueError, match="sliding-window"):
-        _cache(model, ids, donor)
+    ids = torch.randint(3, 128, (1, 5))
+    donor = _donor(enable(model), ids, new=2)  # shorter than the window: every row is there
+    _cache(model, ids, donor)
+    with pytest.raises(ValueError, match="MistralForCausalLM.*sliding-window"):
+        BlockReuseCache(model, ids, [(2, 8)])
 
 
 def test_peft_model(slow_background):

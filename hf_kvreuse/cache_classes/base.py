@@ -43,14 +43,16 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
     requires: dict = {"rope": True, "engine": True}
     #: every generate runs this cache's hooks (True for caches that manage whole trajectories themselves)
     multi_turn: bool = False
+    #: serves models with sliding-window attention layers (their K/V kept as transformers' own layers keep them)
+    sliding_ok: bool = False
 
     def __init__(self, model, **kwargs):
         from ..model_check import require
 
         super().__init__(config=model.config, **kwargs)
-        if any(self.is_sliding):
-            raise ValueError(f"models with sliding-window attention layers are not supported by "
-                             f"{type(self).__name__} yet")
+        if any(self.is_sliding) and not self.sliding_ok:
+            raise ValueError(f"{type(self).__name__} does not support {type(model).__name__}: it has sliding-window "
+                             "attention layers (OptimisticCache and ReuseSession serve such models)")
         states = state_reason(model.config)
         if states:
             raise ValueError(f"{type(self).__name__} cannot serve {type(model).__name__}: its {states}")

@@ -52,6 +52,7 @@ from ..generation.partial import partial_forward
 from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
+from ..sliding import crop_rows, keep_rows, layer_windows
 from ..timing import now
 from ..reprs import stats_repr
 from .base import KVReuseCache, as_batch1
@@ -269,7 +270,18 @@ class OptimisticCache(KVReuseCache):
         model's ``generate`` returned with its present weights is recognised by its tag; any other is probed (its
         layer-0 keys at a few positions against the model's own) and refused if another model made it. False: trust
         the donors (e.g. another peft adapter of this model on purpose).
+
+    Notes
+    -----
+    Models with sliding-window layers (Gemma 2/3, Mistral or Qwen2 with a window, ...): the optimistic cache is
+    assembled over every row and its unmatched rows are computed with each layer type's own mask (the window
+    added); the sliding layers then keep what transformers' own layers keep after a prefill (the last
+    ``window - 1`` rows), as does the exact cache. A donor must hold every row of every layer (a cache longer than
+    the window keeps only the window there: refused; ReuseSession's held caches and
+    :func:`hf_kvreuse.sliding.take_history` give every row). The first step is not fused on these models.
     """
+
+    sliding_ok = True
 
     def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache | list, donor_ids, *,
                  max_optimistic_tokens: int | None = 16, record_divergence: bool = True, min_span: int = 4,
@@ -285,6 +297,8 @@ class OptimisticCache(KVReuseCache):
         super().__init__(model)
         enable(model)
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
+        # sliding-window layers (None: full attention): assembled over every row, kept as transformers keeps them
+        self._windows = layer_windows(model.config)
         if input_ids is not None:
             self.set_target(input_ids)
         many = isinstance(donor_cache, (list, tuple)) and not (donor_cache and isinstance(donor_cache[0], tuple))
@@ -321,6 +335,9 @@ class OptimisticCache(KVReuseCache):
             raise ValueError(f"repair={repair!r}: choose None, 'blend' or 'epic'")
         if not 0.0 <= repair_ratio <= 1.0 or repair_tokens < 0:
             raise ValueError("repair_ratio must be in [0, 1] and repair_tokens >= 0")
+        if repair == "blend" and any(self._windows):
+            raise ValueError(f"repair='blend' does not support {type(model).__name__}: it has sliding-window "
+                             "layers (repair='epic' or None do)")
         if repair == "blend":  # CacheBlend drives the decoder layers itself: the layer-range probe must pass
             from ..model_check import require
 
@@ -366,7 +383,9 @@ class OptimisticCache(KVReuseCache):
         self._last_input_ids = None
         self._threads_lowered = False
         self._pending = None
-        self._fuse = self.fuse_first_step and self.repair != "blend" and not returns_internals(model, generate_kwargs)
+        # the fused first step's masks know no sliding window: such models compute their rows before it
+        self._fuse = (self.fuse_first_step and self.repair != "blend" and not any(self._windows)
+                      and not returns_internals(model, generate_kwargs))
         n = self.input_ids.shape[1]
         on_cuda = self.input_ids.device.type == "cuda"
         synchronous = self.max_optimistic_tokens == 0
@@ -416,6 +435,16 @@ class OptimisticCache(KVReuseCache):
     def _check_donor(self, donor_cache, donor_ids: torch.Tensor) -> int:
         """Validate a donor against the model; return how many donor tokens have K/V."""
         donor_kv = kv_of(donor_cache)
+        rows = {k.shape[-2] for k, _ in donor_kv}
+        # a transformers sliding layer that has seen more tokens than it holds: its first rows are gone
+        cut = [int(layer.get_seq_length()) for layer in getattr(donor_cache, "layers", ())
+               if getattr(layer, "is_sliding", False) and int(layer.get_seq_length()) > layer.keys.shape[-2]]
+        if any(self._windows) and (len(rows) > 1 or cut):
+            raise ValueError(
+                f"donor_cache of {type(self.model).__name__}: its sliding-window layers hold {min(rows)} rows of "
+                f"{max(cut + list(rows))} tokens (a cache of more tokens than the window keeps only the window's rows "
+                "there). A donor needs every row of every layer: pass ReuseSession's held caches (they keep them), "
+                "the K/V list hf_kvreuse.sliding.take_history gives, or a donor shorter than the window")
         if getattr(donor_cache, "logical_offset", 0):
             raise ValueError("donor_cache holds fewer K/V entries than tokens (compressed); it cannot be a donor")
         if len(donor_kv) != len(self.layers):
@@ -467,7 +496,7 @@ class OptimisticCache(KVReuseCache):
             for sp in al.spans:
                 k, v = donors[sp.donor][i]
                 t, d, n = sp.target_start, sp.donor_start, sp.length
-                copy_shifted_(dk[..., t:t + n, :], k[..., d:d + n, :], self._shifter, sp.delta)
+                copy_shifted_(dk[..., t:t + n, :], k[..., d:d + n, :], self._shifter.for_layer(i), sp.delta)
                 dv[..., t:t + n, :].copy_(v[..., d:d + n, :])
             kv.append((dk, dv))
             del like_k, like_v
@@ -529,7 +558,7 @@ class OptimisticCache(KVReuseCache):
         self._pending = None    # an exact cache before the first token: no optimistic rows to compute
         self.stats.wait_s += now(self.input_ids.device) - t
         self._restore_threads()
-        load_kv(self, kv)
+        load_kv(self, kv, seq_length=self.input_ids.shape[1] - 1)
         self.logical_offset = 0
         self._swapped = True
         self.stats.exact = True
@@ -706,6 +735,9 @@ class OptimisticCache(KVReuseCache):
         self._take_exact()
         self.stats.swap_step = self.stats.optimistic_tokens = self.stats.drafted_tokens = g
         pos = torch.arange(n - 1, n + g, device=seq.device)[None]
+        sliding = any(self._windows)
+        if sliding:  # a sliding layer drops rows as the replay passes its window: keep them to cut back to
+            keep_rows(self, self._windows)
         logits = self.model(input_ids=seq[:, n - 1:], position_ids=pos, use_cache=True, logits_to_keep=0,
                             **cache_kwargs(self)).logits[0].float()      # [g + 1, V]: row i scores token n + i
         scores = self.process_logits(seq, logits, n)
@@ -719,15 +751,19 @@ class OptimisticCache(KVReuseCache):
             j = int((choice[:g] == drafts).long().cumprod(0).sum())  # the one host sync of the verification
             nxt = choice[j]
         self.stats.accepted_tokens, self.stats.rejected_tokens = j, g - j
+        ends = j == g and bool(criteria(seq, scores[g - 1: g]).all())
+        if sliding:  # every layer back to the prompt and the kept drafts (all but the last when they end it)
+            crop_rows(self, self._windows, n + j - (1 if ends else 0))
         drop = self.physical_length() - (n + j)
-        if drop:  # keep the exact rows of the prompt and the kept drafts (negative: tokens to remove, any release)
+        if drop and not sliding:  # keep the exact rows of the prompt and the kept drafts (negative: to remove)
             DynamicCache.crop(self, -drop)
         kept = seq[:, : n + j]
         rows = list(scores[: j].unsqueeze(1)), list(logits[: j].unsqueeze(1))
-        if j == g and bool(criteria(seq, scores[g - 1: g]).all()):
+        if ends:
             # the drafts end the generation (EOS, length, stop string); as after plain generate, the cache holds
             # every token but the last (never fed)
-            DynamicCache.crop(self, -1)
+            if not sliding:
+                DynamicCache.crop(self, -1)
             self.stats.ttft_s = now(self.input_ids.device) - self._t0
             return seq, rows[0], rows[1], True
         if sample and j == g:  # every draft kept and the generation goes on: plain generate draws the next one

@@ -35,6 +35,7 @@ from ..compat import cache_kwargs
 from ..devices import PerDevice
 from ..kv import KV
 from ..triton.selected_attention import SelectedPositions
+from ..sliding import layer_windows
 from .selected import base_attn, selected_path, selected_rows
 
 
@@ -74,10 +75,13 @@ class _ScatterCache(DynamicCache):
 
 
 def position_causal_mask(row_pos: torch.Tensor, col_pos: torch.Tensor, dtype: torch.dtype,
-                         col_valid: torch.Tensor | None = None) -> torch.Tensor:
+                         col_valid: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Mask ``[1, 1, |rows|, |cols|]`` of the columns each row may see (``col_pos <= row_pos``, and the column
-    valid): additive (0 / the dtype's min) for a float ``dtype``, ``True`` = visible for ``torch.bool``."""
+    valid; with a sliding ``window``, also ``row_pos - col_pos < window``, transformers' sliding-window rule):
+    additive (0 / the dtype's min) for a float ``dtype``, ``True`` = visible for ``torch.bool``."""
     allowed = col_pos[None, :] <= row_pos[:, None]
+    if window is not None:
+        allowed = allowed & (row_pos[:, None] - col_pos[None, :] < window)
     if col_valid is not None:
         allowed = allowed & col_valid[None, :]
     if dtype == torch.bool:
@@ -85,6 +89,23 @@ def position_causal_mask(row_pos: torch.Tensor, col_pos: torch.Tensor, dtype: to
     mask = torch.zeros(allowed.shape, dtype=dtype, device=row_pos.device)
     mask.masked_fill_(allowed.logical_not_(), torch.finfo(dtype).min)  # in place: no third R x N temporary
     return mask[None, None]
+
+
+#: the key of a model's per-layer-type mask mapping each layer reads (False: full attention, True: sliding)
+LAYER_MASK = {False: "full_attention", True: "sliding_attention"}
+
+
+def _sliding_masks(config, row_pos, positions, dtype, col_valid, windows: set):
+    """The masks of a model with sliding-window layers: one tensor when every layer slides (the model uses it for
+    all), else the per-layer-type mapping (``{"full_attention": .., "sliding_attention": ..}``) the models with
+    mixed layers take as ``attention_mask`` (transformers' ``causal_mask_mapping``)."""
+    if len(windows) != 1:
+        raise NotImplementedError(f"layers with different sliding windows {sorted(windows)}")
+    (w,) = windows
+    sliding = position_causal_mask(row_pos, positions, dtype, col_valid, window=w)
+    if all(x is not None for x in layer_windows(config)):
+        return sliding
+    return {LAYER_MASK[False]: position_causal_mask(row_pos, positions, dtype, col_valid), LAYER_MASK[True]: sliding}
 
 
 def _placeholder(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,8 +129,10 @@ def run_layers(model, layers: range, hidden_states: torch.Tensor, position_ids: 
     """Run decoder layers ``layers`` on ``hidden_states`` ``[1, R, hidden]`` at ``position_ids`` ``[1, R]``."""
     base = _decoder(model)
     pos_emb = base.rotary_emb(hidden_states, position_ids=position_ids)
+    windows = layer_windows(model.config) if isinstance(mask, dict) else None
     for i in layers:
-        out = base.layers[i](hidden_states, attention_mask=mask, position_ids=position_ids, use_cache=True,
+        m = mask[LAYER_MASK[windows[i] is not None]] if windows is not None else mask
+        out = base.layers[i](hidden_states, attention_mask=m, position_ids=position_ids, use_cache=True,
                              position_embeddings=pos_emb, **cache_kwargs(cache))
         hidden_states = out[0] if isinstance(out, tuple) else out
     return hidden_states
@@ -169,8 +192,14 @@ def partial_forward(model, input_ids: torch.Tensor, rows: torch.Tensor, kv: KV,
         dtype = None if in_order else torch.bool
     # the selected-row attention (Triton kernel, or SDPA over the visible columns per block of rows) needs no
     # R x N mask: it is built only on the mask path, or on first use by a layer the wrapper does not handle
-    path = selected_path(model, kv[0][0]) if dtype is not None else "mask"
-    build = (lambda: position_causal_mask(row_pos, positions, dtype, col_valid)) if dtype is not None else None
+    windows = {w for w in layer_windows(model.config) if w is not None}
+    if windows:  # sliding-window layers: their mask adds the window (per layer type), on the explicit-mask path
+        dtype = dtype or torch.bool
+        path = "mask"
+        build = lambda: _sliding_masks(model.config, row_pos, positions, dtype, col_valid, windows)  # noqa: E731
+    else:
+        path = selected_path(model, kv[0][0]) if dtype is not None else "mask"
+        build = (lambda: position_causal_mask(row_pos, positions, dtype, col_valid)) if dtype is not None else None
     if path == "mask":
         mask, attend = (build() if build else None), contextlib.nullcontext()
     else:

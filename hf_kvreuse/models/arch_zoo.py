@@ -350,9 +350,22 @@ def _check_optimistic(model):
     from ..compat import output_cache
     from ..kv import kv_of
 
+    from transformers import DynamicCache
+
+    from ..compat import cache_kwargs
+    from ..sliding import keep_history, layer_windows, take_history
+
     ids_a, ids_b = agent_prompts()
-    donor = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    make = lambda **kw: OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(donor),  # noqa: E731
+    windows = layer_windows(model.config)
+    own = DynamicCache(config=model.config)
+    if any(windows):  # a donor needs every row: the sliding layers keep theirs on the side
+        keep_history(own, windows)
+    donor = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                           **cache_kwargs(own))
+    donor_kv = output_cache(donor)
+    if any(windows):
+        donor_kv = take_history(donor_kv, windows, donor.sequences.shape[1] - 1)
+    make = lambda **kw: OptimisticCache(model, input_ids=ids_b, donor_cache=donor_kv,  # noqa: E731
                                         donor_ids=donor.sequences, **{"rebase": "commit", **kw})
     yield make(max_optimistic_tokens=0)  # construction: a refusal stops here
     _assert_same_generation(model, ids_b, make(max_optimistic_tokens=0), "OptimisticCache(max_optimistic_tokens=0)")
@@ -363,8 +376,11 @@ def _check_optimistic(model):
     t2d = cache.alignment.target_to_donor()
     from_donor = torch.nonzero(t2d >= 0).flatten()
     assert from_donor.numel() == cache.stats.reused_tokens and bool((from_donor != t2d[from_donor]).any())
-    _assert_layer0(kv_of(cache), _prefill_kv(model, ids_b), from_donor,
-                   "OptimisticCache: donor rows re-positioned into layer 0")
+    kv, ref = kv_of(cache), _prefill_kv(model, ids_b)
+    held = kv[0][0].shape[-2]  # a sliding layer 0 keeps the last rows only (the same ones as the prefill's)
+    if held < ids_b.shape[1]:
+        from_donor = from_donor[from_donor >= ids_b.shape[1] - held] - (ids_b.shape[1] - held)
+    _assert_layer0(kv, ref, from_donor, "OptimisticCache: donor rows re-positioned into layer 0")
 
 
 def _check_block(model, cls_name: str, **kw):
