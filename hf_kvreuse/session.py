@@ -345,8 +345,10 @@ class ReuseSession:
     Notes
     -----
     Calls whose tokens no reuse cache can produce step by step run through the exact-prefix path only: beam search
-    and ``num_return_sequences > 1`` (their result, several sequences, is not held) and models with sliding-window
-    attention layers (``"auto"`` then reuses exact prefixes; the approximate policies refuse such a model).
+    and ``num_return_sequences > 1`` (their result, several sequences, is not held). Models with sliding-window
+    attention layers: ``"auto"`` chooses between exact prefixes and verified drafts from held caches with every row
+    (``sliding_history=True``, the default; with False, exact prefixes only); ``"optimistic"`` is accepted, the
+    other approximate policies refuse such a model.
     ``use_cache=False`` runs plain ``generate`` and holds nothing.
 
     Thread safety: one :meth:`generate` at a time (others wait); :attr:`nbytes`, :meth:`held` and ``len()`` may be
@@ -512,11 +514,19 @@ class ReuseSession:
                     + [dict(tokens=int(e.ids.numel()), exact=True, agent=e.agent, nbytes=e.nbytes)
                        for e in self._states.values()])
 
+    def _drafts_on_sliding(self) -> bool:
+        """A model with sliding-window layers whose held caches keep every row: verified drafts can use them."""
+        return any(self._windows) and self.sliding_history
+
     def _check_policy_for_sliding(self, policy: str) -> None:
-        if policy not in ("auto", "full", "prefix"):
-            raise ValueError(f"policy={policy!r} needs caches that {type(self.model).__name__} cannot use: it has "
-                             f"sliding-window attention layers, which hf_kvreuse's reuse caches do not support. "
-                             "Use policy 'auto' or 'prefix' (exact prefix reuse), or 'full'")
+        allowed = ("auto", "full", "prefix") + (("optimistic",) if self.sliding_history else ())
+        if policy not in allowed:
+            what = ("OptimisticCache needs held caches with every row: sliding_history=True" if policy == "optimistic"
+                    else "only OptimisticCache serves such models")
+            also = "'optimistic', " if self.sliding_history else ""
+            raise ValueError(f"policy={policy!r} cannot serve {type(self.model).__name__}: it has sliding-window "
+                             f"attention layers ({what}). Use policy 'auto' or 'prefix' (exact prefix reuse), "
+                             f"{also}or 'full'")
 
     # -- generate --------------------------------------------------------------------------------------------
     def _check_policy_for_states(self, policy: str) -> None:
@@ -720,11 +730,14 @@ class ReuseSession:
                     prefix, prefix_key, prefix_kv = p, key, kv
         # only an exact prefix for the calls no reuse cache can serve (beams, several sequences, sliding layers);
         # "auto" also keeps to it on an offloaded model, whose hooks cannot prefill in the background
-        prefix_only = not opts.stepwise or any(self._windows) or (policy == "auto" and offloaded(self.model))
+        prefix_only = (not opts.stepwise or (any(self._windows) and not self.sliding_history)
+                       or (policy == "auto" and offloaded(self.model)))
         al = None
         if policy not in ("full", "prefix", "translated") and entries and not prefix_only:
-            al = align_multi([e.ids for _, e in entries], cpu_ids, min_span=self.min_span,
-                             target_limit=n - 1, prefix_donors=trusted)
+            # sliding-window layers: only held caches with every row of every layer can donate
+            donors_ids = [e.ids if not any(self._windows) or e.every_row() else e.ids[:0] for _, e in entries]
+            al = align_multi(donors_ids, cpu_ids, min_span=self.min_span, target_limit=n - 1,
+                             prefix_donors=trusted)
             if policy == "latent" and al.spans and al.spans[0].target_start == 0:
                 # LatentRemedyCache computes the agent's own prefix (the bridge reads its last hidden state): a
                 # span at token 0 is not one of the blocks it remedies
@@ -737,7 +750,8 @@ class ReuseSession:
         if prefix_only and policy == "auto":
             method = exact_method
             reason = ("beam search / several sequences: exact prefix reuse only" if not opts.stepwise else
-                      "sliding-window layers: exact prefix reuse only" if any(self._windows) else
+                      "sliding-window layers and sliding_history=False: exact prefix reuse only"
+                      if any(self._windows) and not self.sliding_history else
                       "offloaded weights cannot prefill in the background: exact prefix reuse only")
         elif policy == "auto":
             method, reason = self._auto(ids, al, prefix, exact_method, opts, kwargs)
@@ -767,10 +781,13 @@ class ReuseSession:
                 # the sliding layers also keep every row, so the held entry serves any later prefix exactly
                 full = dict(entries)[prefix_key].history_kv(prefix) if method == "prefix" and prefix else None
                 history = keep_history(cache, self._windows, full)
-            if not history:  # at least the sliding layers' rows at the end of the prompt
+            if not history and not (method == "optimistic" and self.sliding_history):
+                # at least the sliding layers' rows at the end of the prompt (verified drafts keep every row)
                 snapshot = WindowSnapshot(cache, self._windows, n)
                 kwargs = dict(kwargs, streamer=_Tee(snapshot, kwargs.get("streamer")))
         out = self._timed_generate(ids, cache, kwargs, stats, timed=opts.sequences == 1)
+        if method == "optimistic" and getattr(cache, "sliding_history", False):
+            history = True  # its exact cache kept every row of the sliding layers too
         held_kv = take_history(cache, self._windows, int(cache.get_seq_length())) if history else None
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         stats.generated_tokens = int(sequences.shape[1] - n)
@@ -931,9 +948,10 @@ class ReuseSession:
             dids = [entries[d][1].ids[None] for d in donors]
             exact = [d in trusted for d in donors]
             # held caches were made by this model (under some adapter): no donor probe
+            # sliding-window layers: the returned cache keeps every row too, a donor for later calls
             return OptimisticCache(self.model, ids, caches, dids, donor_exact=exact,
                                    **{"min_span": self.min_span, "verify_donor": False, "rebase": self.rebase,
-                                      **kw}), used
+                                      "sliding_history": self._drafts_on_sliding(), **kw}), used
         return self._block_cache(method, ids, entries, al, kw, producer), used
 
     def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict, producer: str):

@@ -25,6 +25,12 @@ class _Entry:
     # prompt boundaries: {m: the sliding-window layers' rows a cache of the first m tokens keeps} (sliding.py)
     marks: dict = field(default_factory=dict)
 
+    def every_row(self) -> bool:
+        """Every layer holds a row for every token (a sliding-window layer's history included): a donor for
+        re-positioned reuse."""
+        n = self.ids.numel()
+        return all(k.shape[-2] == n for k, _ in self.kv)
+
     def history_kv(self, p: int) -> KV | None:
         """Every row of the first ``p`` tokens in every layer (views), or None where a sliding-window layer holds
         only its window."""

@@ -87,6 +87,7 @@ def keep_history(cache, windows: list, prefix_kv=None) -> bool:
             continue
         layer.__class__ = _history_class(type(layer))
         layer.history = [prefix_kv[i]] if n else []
+        layer.history_start = 0
     return True
 
 
@@ -102,6 +103,7 @@ def take_history(cache, windows: list, tokens: int, batch: int = 1):
         hist = layer.history
         layer.__class__ = type(layer)._history_base
         del layer.history
+        layer.__dict__.pop("history_start", None)
         if not hist or not ok:
             ok = False
             continue
@@ -126,10 +128,11 @@ def keep_rows(cache, windows: list) -> None:
         layer.history_start = int(layer.cumulative_length) - held  # the token of the first kept row
 
 
-def crop_rows(cache, windows: list, length: int) -> None:
+def crop_rows(cache, windows: list, length: int, keep: bool = False) -> None:
     """Cut every layer of ``cache`` back to its first ``length`` tokens: full-attention layers by their own
-    ``crop``, sliding-window layers (after :func:`keep_rows`) to the last ``window - 1`` rows of those tokens, what
-    a prefill of ``length`` tokens leaves there; the layers go back to their own classes."""
+    ``crop``, sliding-window layers (after :func:`keep_rows` or :func:`keep_history`) to the last ``window - 1`` rows
+    of those tokens, what a prefill of ``length`` tokens leaves there. The layers go back to their own classes, or
+    with ``keep`` go on keeping their rows (cut to the same tokens)."""
     for layer, w in zip(cache.layers, windows):
         if w is None:
             if layer.keys.shape[-2] > length:
@@ -144,8 +147,11 @@ def crop_rows(cache, windows: list, length: int) -> None:
             raise RuntimeError(f"crop_rows: the kept rows (tokens {start}..{start + k.shape[-2] - 1}) do not hold "
                                f"the window of the first {length} tokens")
         lo = max(0, length - (w - 1)) - start
-        layer.__class__ = base
-        del layer.history, layer.history_start
+        if keep:
+            layer.history = [(k[..., :length - start, :], v[..., :length - start, :])]
+        else:
+            layer.__class__ = base
+            del layer.history, layer.history_start
         layer.keys, layer.values = k[..., lo:length - start, :], v[..., lo:length - start, :]
         layer.cumulative_length = length
 

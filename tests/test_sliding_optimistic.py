@@ -302,3 +302,47 @@ def test_per_layer_type_rope_shift(name):
         torch.testing.assert_close(shifter.for_layer(i).shift(k0, 41), k1, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="for_layer"):
         shifter.shift(kvs[0][0][0], 1)
+
+
+@pytest.mark.parametrize("policy", ["optimistic", "auto"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_session_verified_drafts_on_sliding_models(name, policy):
+    """ReuseSession on a sliding-window model: three agents with their own role texts over one document of about
+    four windows, two rounds, each prompt carrying the transcript. Every answer (tokens, scores) equals plain
+    ``generate``'s; under ``"optimistic"`` every call after the first reuses the others' caches through verified
+    drafts, and every held entry keeps every row of every layer (so it can donate again) and equals plain prefill.
+    ``"auto"`` chooses per call and gives a reason; Cohere 2 steps down to exact prefixes.
+
+    Planted bugs that fail it (checked): the session does not take the optimistic call's rows
+    (``history = True`` removed: the entry keeps the window only, later calls run without it); ``_take_exact``
+    does not keep the sliding layers' history (the held entry loses every row)."""
+    from test_reliability import _held_entries_are_exact
+
+    from hf_kvreuse import ReuseSession
+
+    model = _model(name)
+    served = _supported(name) is not None
+    if policy == "optimistic" and not served:
+        pytest.skip(f"{name}: refused by name (tested above)")
+    s = ReuseSession(model, policy=policy, min_donor_tokens=4)
+    doc = torch.randint(3, 200, (1, 4 * WINDOW), generator=torch.Generator().manual_seed(11))
+    methods = []
+    for _ in range(2):
+        for role in ([[5, 6]], [[7, 8, 9]], [[11]]):
+            ids = torch.cat([torch.tensor(role), doc, torch.tensor([[3, 4]])], 1)
+            gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True,
+                       return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+            out = s.generate(ids, **gen)
+            ref = model.generate(ids, **gen)
+            assert torch.equal(out.sequences, ref.sequences), (name, s.last_stats)
+            for a, b in zip(out.scores, ref.scores):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            assert s.last_stats.exact_output and s.last_stats.reason is not None or policy != "auto"
+            methods.append(s.last_stats.method)
+            doc = torch.cat([doc, out.sequences[:, ids.shape[1]:]], 1)
+    if policy == "optimistic":
+        assert methods[0] == "full" and all(m == "optimistic" for m in methods[1:]), methods
+        assert all(e.every_row() for e in s._entries.values())
+    elif not served:
+        assert "optimistic" not in methods and "re-positioned" in s.last_stats.reason
+    _held_entries_are_exact(model, s)

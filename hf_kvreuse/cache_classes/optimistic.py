@@ -52,7 +52,7 @@ from ..generation.partial import partial_forward
 from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
-from ..sliding import crop_rows, keep_rows, layer_windows
+from ..sliding import crop_rows, keep_history, keep_rows, layer_windows
 from ..timing import now
 from ..reprs import stats_repr
 from .base import KVReuseCache, as_batch1
@@ -265,6 +265,11 @@ class OptimisticCache(KVReuseCache):
         weights less before the first token. Not with ``repair="blend"`` (its selection needs the rows first) nor
         when ``generate`` returns attentions or hidden states (they would cover the fused rows). False: the two
         forwards of RebaseKV as published.
+    sliding_history : bool, default=False
+        Models with sliding-window layers: the exact cache's sliding layers also keep every row on the side
+        (:func:`hf_kvreuse.sliding.keep_history`; what they hand to attention stays transformers' own), so that
+        :func:`~hf_kvreuse.sliding.take_history` gives every row of the returned cache: a donor for a later
+        call. ReuseSession sets it for the caches it holds. More memory: those layers are kept in full.
     verify_donor : bool, default=True
         Check that each donor was computed by ``model`` (:func:`hf_kvreuse.model_check.check_donor`): a cache this
         model's ``generate`` returned with its present weights is recognised by its tag; any other is probed (its
@@ -291,7 +296,7 @@ class OptimisticCache(KVReuseCache):
                  donor_exact: bool | list = False, verify_donor: bool = True,
                  rebase: Literal["verify", "commit"] = "verify", gate: float | None = None,
                  gate_tokens=None, repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
-                 repair_tokens: int = 16, fuse_first_step: bool = True):
+                 repair_tokens: int = 16, fuse_first_step: bool = True, sliding_history: bool = False):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -299,6 +304,7 @@ class OptimisticCache(KVReuseCache):
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
         # sliding-window layers (None: full attention): assembled over every row, kept as transformers keeps them
         self._windows = layer_windows(model.config)
+        self.sliding_history = bool(sliding_history) and any(self._windows)
         if input_ids is not None:
             self.set_target(input_ids)
         many = isinstance(donor_cache, (list, tuple)) and not (donor_cache and isinstance(donor_cache[0], tuple))
@@ -404,7 +410,7 @@ class OptimisticCache(KVReuseCache):
         self.job = BackgroundPrefill(
             model, self.input_ids[:, : n - 1], chunk_tokens=self.background_chunk_tokens,
             cpu_threads=self.background_threads or max(1, baseline // running), max_threads=baseline,
-            synchronous=synchronous, prefix_kv=prefix_kv)
+            synchronous=synchronous, prefix_kv=prefix_kv, windows=self._windows if self.sliding_history else None)
         if self.max_optimistic_tokens == 0:
             # the exact cache is built in before_forward, before the first token: plain prefill after the prefix
             self.stats.new_tokens = self.stats.background_tokens + 1
@@ -558,7 +564,9 @@ class OptimisticCache(KVReuseCache):
         self._pending = None    # an exact cache before the first token: no optimistic rows to compute
         self.stats.wait_s += now(self.input_ids.device) - t
         self._restore_threads()
-        load_kv(self, kv, seq_length=self.input_ids.shape[1] - 1)
+        load_kv(self, kv, seq_length=self.input_ids.shape[1] - 1)  # every row given: sliding layers keep theirs
+        if self.sliding_history:  # and keep every row on the side from here on
+            keep_history(self, self._windows, kv)
         self.logical_offset = 0
         self._swapped = True
         self.stats.exact = True
@@ -736,8 +744,8 @@ class OptimisticCache(KVReuseCache):
         self.stats.swap_step = self.stats.optimistic_tokens = self.stats.drafted_tokens = g
         pos = torch.arange(n - 1, n + g, device=seq.device)[None]
         sliding = any(self._windows)
-        if sliding:  # a sliding layer drops rows as the replay passes its window: keep them to cut back to
-            keep_rows(self, self._windows)
+        if sliding and not self.sliding_history:  # a sliding layer drops rows as the replay passes its window:
+            keep_rows(self, self._windows)     # keep them to cut back to
         logits = self.model(input_ids=seq[:, n - 1:], position_ids=pos, use_cache=True, logits_to_keep=0,
                             **cache_kwargs(self)).logits[0].float()      # [g + 1, V]: row i scores token n + i
         scores = self.process_logits(seq, logits, n)
@@ -753,7 +761,7 @@ class OptimisticCache(KVReuseCache):
         self.stats.accepted_tokens, self.stats.rejected_tokens = j, g - j
         ends = j == g and bool(criteria(seq, scores[g - 1: g]).all())
         if sliding:  # every layer back to the prompt and the kept drafts (all but the last when they end it)
-            crop_rows(self, self._windows, n + j - (1 if ends else 0))
+            crop_rows(self, self._windows, n + j - (1 if ends else 0), keep=self.sliding_history)
         drop = self.physical_length() - (n + j)
         if drop and not sliding:  # keep the exact rows of the prompt and the kept drafts (negative: to remove)
             DynamicCache.crop(self, -drop)

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from ..compat import cache_kwargs
 from ..devices import layer_devices
 from ..kv import KV, kv_of, load_kv
+from ..sliding import keep_history, take_history
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,17 @@ class BackgroundPrefill:
         Threads the worker may use once the foreground waits for it (default: the caller's thread count).
     synchronous : bool, default=False
         Run in the caller's thread at :meth:`start` (used when nothing should overlap).
+    windows : list of (int or None), optional
+        Each layer's sliding window (:func:`hf_kvreuse.sliding.layer_windows`): the sliding layers also keep every
+        row on the side (``prefix_kv`` then holds every row of those layers too), and :meth:`result` gives every
+        row of every layer.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, chunk_tokens: int | None = None, cpu_threads: int = 1,
-                 max_threads: int | None = None, synchronous: bool = False, prefix_kv: KV | None = None):
+                 max_threads: int | None = None, synchronous: bool = False, prefix_kv: KV | None = None,
+                 windows: list | None = None):
         self.model, self.input_ids = model, input_ids
+        self.windows = windows if windows and any(windows) else None
         self.prefix_kv = prefix_kv
         self.prefix_len = prefix_kv[0][0].shape[-2] if prefix_kv else 0
         if self.prefix_len >= input_ids.shape[1] and input_ids.shape[1]:
@@ -165,6 +172,8 @@ class BackgroundPrefill:
         if self.prefix_kv:
             # DynamicCache appends by concatenation: the caller's prefix tensors are never written
             load_kv(cache, list(self.prefix_kv))
+        if self.windows is not None and not keep_history(cache, self.windows, self.prefix_kv):
+            raise ValueError("prefix_kv must hold every row of every layer to keep the sliding layers' history")
         ids = self.input_ids
         p = self.prefix_len
         step = self.chunk_tokens or (ids.shape[1] - p)
@@ -258,6 +267,10 @@ class BackgroundPrefill:
         if self._cache is None:
             raise RuntimeError("background exact prefill was cancelled")
         kv = kv_of(self._cache)
+        if self.windows is not None:  # every row of every layer (the sliding layers' from their history)
+            kv = take_history(self._cache, self.windows, self.input_ids.shape[1])
+            if kv is None:
+                raise RuntimeError("the background prefill's sliding layers lost their history")
         if self.on_cuda:
             for d, event in self._events.items():
                 torch.cuda.current_stream(d).wait_event(event)
