@@ -56,7 +56,14 @@ def layer_rotaries(model: nn.Module) -> list | None:
     keeps one ``{type}_inv_freq`` buffer per type (Gemma 3: local and global RoPE bases, OLMo 3); None for a model
     whose layers share one rotary embedding."""
     layer_types = list(getattr(getattr(model, "config", None), "layer_types", None) or ())
-    if len(set(layer_types)) <= 1 or any(hasattr(m, "inv_freq") for _, m in model.named_modules()):
+    if len(set(layer_types)) <= 1:
+        return None
+    modules = dict(model.named_modules())
+    local = [m for name, m in modules.items() if name.endswith("rotary_emb_local") and hasattr(m, "inv_freq")]
+    glob = [m for name, m in modules.items() if name.endswith("rotary_emb") and hasattr(m, "inv_freq")]
+    if len(local) == 1 and len(glob) == 1:  # transformers 4.x Gemma 3: a second module for the local layers
+        return [local[0] if t == "sliding_attention" else glob[0] for t in layer_types]
+    if any(hasattr(m, "inv_freq") for m in modules.values()):
         return None
     for _, module in model.named_modules():
         if all(hasattr(module, f"{t}_inv_freq") for t in set(layer_types)):

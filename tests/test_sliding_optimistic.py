@@ -300,8 +300,9 @@ def test_per_layer_type_rope_shift(name):
         kvs.append(kv_of(cache))
     for i, ((k0, _), (k1, _)) in enumerate(zip(*kvs)):
         torch.testing.assert_close(shifter.for_layer(i).shift(k0, 41), k1, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="for_layer"):
-        shifter.shift(kvs[0][0][0], 1)
+    if shifter._layers is not None:  # (a release whose layer types share one rotary module has one shifter)
+        with pytest.raises(ValueError, match="for_layer"):
+            shifter.shift(kvs[0][0][0], 1)
 
 
 @pytest.mark.parametrize("policy", ["optimistic", "auto"])
