@@ -8,10 +8,7 @@ Property test (hypothesis) over tiny random configs of the installed sliding-win
 prompts shorter and longer than the window, drafts that cross it, forced swap steps.
 """
 
-import contextlib
-import functools
 import os
-import threading
 
 import pytest
 import torch
@@ -21,72 +18,22 @@ from hypothesis import strategies as st
 
 from hf_kvreuse import OptimisticCache, enable
 from hf_kvreuse.compat import cache_kwargs
-from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.kv import kv_of
 from hf_kvreuse.model_check import UnsupportedModelError
-from hf_kvreuse.models.arch_zoo import SLIDING, zoo_model
+from hf_kvreuse.models.arch_zoo import SLIDING, held_background
 from hf_kvreuse.rotary import UnsupportedRopeError
 from hf_kvreuse.sliding import crop_rows, keep_history, keep_rows, layer_windows, take_history
+
+from test_sliding import _model as _sliding_model
+from test_sliding import one_thread  # noqa: F401 - the module's fixture: one torch thread
 
 CASES = int(os.environ.get("HF_KVREUSE_SLIDING_CASES", "12"))
 WINDOW = 8
 
 
-@functools.lru_cache(maxsize=None)
-def _build(name):
-    try:
-        m = zoo_model(name, **SLIDING[name])
-    except Exception as e:  # noqa: BLE001 - an architecture missing from this transformers release
-        return f"{type(e).__name__}: {str(e)[:160]}"
-    if not any(layer_windows(m.config)):
-        return f"no sliding-window cache layer on transformers {transformers.__version__}"
-    return enable(m)
-
-
 def _model(name):
-    m = _build(name)
-    if isinstance(m, str):
-        pytest.skip(f"{name}: {m}")
-    return m
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def held_background():
-    """The background prefill waits until the foreground needs it: the drafts stop exactly at
-    ``max_optimistic_tokens``, however loaded the machine is."""
-    orig_prefill, orig_boost, orig_cancel = BackgroundPrefill._prefill, BackgroundPrefill.boost, BackgroundPrefill.cancel
-
-    def release(self):
-        if not hasattr(self, "_release"):
-            self._release = threading.Event()
-        return self._release
-
-    def held(self):
-        if not self.synchronous:
-            assert release(self).wait(timeout=60), "the foreground never waited for the background prefill"
-        return orig_prefill(self)
-
-    def boost(self):
-        release(self).set()
-        orig_boost(self)
-
-    def cancel(self):
-        release(self).set()
-        orig_cancel(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(BackgroundPrefill, "_prefill", held)
-        mp.setattr(BackgroundPrefill, "boost", boost)
-        mp.setattr(BackgroundPrefill, "cancel", cancel)
-        yield
+    """The tiny model of a sliding architecture (window 8), enabled; skipped where this release lacks it."""
+    return enable(_sliding_model(name))
 
 
 def _full_rows(model, ids):
