@@ -64,7 +64,7 @@ VLLM_VENV ?= .venvs/vllm
 $(VLLM_VENV)/.installed: setup.py
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e ".[vllm]" "pytest>=8"
+	$(VLLM_VENV)/bin/pip install -q -e ".[vllm,redis]" "pytest>=8"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

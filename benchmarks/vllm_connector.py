@@ -12,6 +12,11 @@ Usage (in the vLLM venv, ``make test-vllm`` builds it)::
 
     PYTHONPATH=. .venvs/vllm/bin/python benchmarks/vllm_connector.py --workflows 8 \\
         --out benchmarks/results/vllm_connector.json
+    PYTHONPATH=. .venvs/vllm/bin/python benchmarks/vllm_connector.py --workflows 8 --redis \\
+        --out benchmarks/results/vllm_connector_redis.json      # the store on a private redis-server (loopback)
+
+``--redis`` starts a ``redis-server`` on a free 127.0.0.1 port (no persistence, ``allkeys-lru``), runs the same
+workflows with the connector's store there (``redis://127.0.0.1:PORT/0``), and stops it.
 
 Writes one JSON (config, git commit, every request, the summary), checkpointed after each workflow.
 """
@@ -64,6 +69,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--store", default=None, help="store folder (default: a fresh temporary one)")
+    ap.add_argument("--redis", action="store_true", help="the store on a private redis-server over loopback TCP")
     ap.add_argument("--out", default="benchmarks/results/vllm_connector.json")
     ap.add_argument("--table", default=None, help="print the README table of this JSON and exit (no vLLM needed)")
     args = ap.parse_args()
@@ -85,7 +91,16 @@ def main() -> None:
     if args.store:
         shutil.rmtree(store, ignore_errors=True)
     folder = smollm2_path()
-    doc = {"config": {**vars(args), "model": str(folder), "store": str(store), "vllm": __import__("vllm").__version__,
+    server = None
+    spec = str(store)
+    extra = {"store": spec}
+    if args.redis:
+        from redis_store import start_server
+
+        server, port, _ = start_server(store)
+        spec = f"redis://127.0.0.1:{port}/0"
+        extra = {"store": spec, "log_dir": str(store / "_log")}  # the event log stays in the folder
+    doc = {"config": {**vars(args), "model": str(folder), "store": spec, "vllm": __import__("vllm").__version__,
                       "torch": torch.__version__, "cpu_threads": os.cpu_count(),
                       "note": "fresh and connector arms alternate in one engine (side by side); vLLM prefix "
                               "caching off; TTFT is vLLM's first_token_latency, E2E the wall time of one call"},
@@ -96,7 +111,7 @@ def main() -> None:
               disable_log_stats=False,
               kv_transfer_config=KVTransferConfig(
                   kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
-                  kv_load_failure_policy="recompute", kv_connector_extra_config={"store": str(store)}))
+                  kv_load_failure_policy="recompute", kv_connector_extra_config=extra))
     doc["engine_start_s"] = time.perf_counter() - t0
     tok = llm.get_tokenizer()
 
@@ -140,6 +155,10 @@ def main() -> None:
     doc["complete"] = True
     write_json(args.out, doc)
     print(json.dumps(doc["summary"], indent=1))
+    del llm
+    if server is not None:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def summarize(requests: list[dict], store: Path) -> dict:

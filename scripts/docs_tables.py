@@ -45,6 +45,14 @@ def _bench(name: str):
     return __import__(name)
 
 
+def _retention(path: Path) -> str:
+    """A TranslatedCache retention JSON as ``research/translated/translated_retention.py table`` prints it."""
+    folder = str(ROOT / "research" / "translated")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return __import__("translated_retention").table(str(path))
+
+
 def _printed(fn, *args) -> str:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -106,6 +114,10 @@ TABLES = [
      "optimistic.md"),
     ("TranslatedCache, Qwen2.5-Coder 0.5B -> 1.5B", "translated.json", lambda p: _bench("translated").markdown(str(p)),
      "../methods/translated.md"),
+    ("TranslatedCache selectors at ratio 0.3, SQuAD", "translated_retention_squad_sel.json", _retention,
+     "../research/translated-selection.md"),
+    ("TranslatedCache selectors at ratio 0.3, CoQA first turns", "translated_retention_coqa_sel.json", _retention,
+     "../research/translated-selection.md"),
     ("LatentRemedy, held-out conflicting-task families", "latent_remedy_qwen2.5-0.5b.json",
      lambda p: _bench("latent_remedy").markdown(str(p)), "../methods/latent-remedy.md"),
     ("LatentRemedy and FocusRecompute, generated answers", "latent_remedy_focus_qwen2.5-0.5b.json",

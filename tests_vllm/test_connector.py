@@ -200,7 +200,7 @@ def test_corrupted_entry_is_refused_and_recomputed(llm, hf, store_dir, identity)
     with torch.no_grad():
         out = model(torch.tensor([doc]), use_cache=True)
     info = save_cache(store, model, torch.tensor([doc]), out.past_key_values)
-    f = store.path / f"{info.entry_id}.safetensors"
+    f = store.path / json.loads((store.path / f"{info.entry_id}.json").read_text())["file"]  # content-named
     raw = bytearray(f.read_bytes())
     for i in range(len(raw) // 2, len(raw) // 2 + 4096):
         raw[i] ^= 0x55
