@@ -104,6 +104,7 @@ def main() -> None:
                       "torch": torch.__version__, "cpu_threads": os.cpu_count(),
                       "note": "fresh and connector arms alternate in one engine (side by side); vLLM prefix "
                               "caching off; TTFT is vLLM's first_token_latency, E2E the wall time of one call"},
+           "command": "PYTHONPATH=. python benchmarks/vllm_connector.py " + " ".join(sys.argv[1:]),
            "git_commit": git_commit(), "requests": [], "complete": False}
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), dtype=args.dtype, enforce_eager=True, max_model_len=4096,

@@ -34,6 +34,8 @@ MOVED = {"scripts/gate_": "research/optimistic/gate_", "scripts/verify_start_pro
 
 # results that do not record their command: the one their page gives
 KNOWN_COMMANDS = {"vllm_connector.json": "PYTHONPATH=. .venvs/vllm/bin/python benchmarks/vllm_connector.py --workflows 8",
+                  "vllm_connector_redis.json":
+                      "PYTHONPATH=. .venvs/vllm/bin/python benchmarks/vllm_connector.py --workflows 8 --redis",
                   "redis_store.json": "PYTHONPATH=. python benchmarks/redis_store.py --repeats 3"}
 
 
@@ -133,6 +135,7 @@ TABLES = [
     ("FocusRecompute TTFT at 1k, 4k and 8k-token blocks", "latent_ttft_focus_qwen2.5-0.5b.json",
      lambda p: _bench("latent_ttft").markdown(str(p)), "../methods/focus-recompute.md"),
     ("vLLM fresh vs vLLM with the connector", "vllm_connector.json", _vllm, "../guide/vllm.md"),
+    ("vLLM fresh vs vLLM with the connector, store on Redis", "vllm_connector_redis.json", _vllm, "../guide/vllm.md"),
     ("The default (ReuseSession 'auto') against plain generate, SmolLM2-135M, 1 and 2 threads", "defaults_vs_plain.json",
      lambda p: _bench("defaults_vs_plain").table(json.loads(p.read_text())), "../defaults.md"),
     ("K/V store: save and load latency, folder vs Redis (loopback)", "redis_store.json",
