@@ -135,8 +135,9 @@ def crop_rows(cache, windows: list, length: int, keep: bool = False) -> None:
     with ``keep`` go on keeping their rows (cut to the same tokens)."""
     for layer, w in zip(cache.layers, windows):
         if w is None:
-            if layer.keys.shape[-2] > length:
-                layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+            extra = layer.keys.shape[-2] - length
+            if extra > 0:
+                layer.crop(-extra)  # a negative count: tokens to remove (what every transformers release takes)
             continue
         base = getattr(type(layer), "_history_base", None)
         hist, start = getattr(layer, "history", None), getattr(layer, "history_start", None)

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
-from transformers import Cache, DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers import Cache, StoppingCriteria, StoppingCriteriaList
 
 from ..alignment import Alignment, align_multi
 from ..compat import cache_kwargs
@@ -760,18 +760,12 @@ class OptimisticCache(KVReuseCache):
             nxt = choice[j]
         self.stats.accepted_tokens, self.stats.rejected_tokens = j, g - j
         ends = j == g and bool(criteria(seq, scores[g - 1: g]).all())
-        if sliding:  # every layer back to the prompt and the kept drafts (all but the last when they end it)
-            crop_rows(self, self._windows, n + j - (1 if ends else 0), keep=self.sliding_history)
-        drop = self.physical_length() - (n + j)
-        if drop and not sliding:  # keep the exact rows of the prompt and the kept drafts (negative: to remove)
-            DynamicCache.crop(self, -drop)
+        # every layer back to the exact rows of the prompt and the kept drafts; when the drafts end the generation
+        # (EOS, length, stop string), every token but the last (never fed), as after plain generate
+        crop_rows(self, self._windows, n + j - (1 if ends else 0), keep=self.sliding_history)
         kept = seq[:, : n + j]
         rows = list(scores[: j].unsqueeze(1)), list(logits[: j].unsqueeze(1))
         if ends:
-            # the drafts end the generation (EOS, length, stop string); as after plain generate, the cache holds
-            # every token but the last (never fed)
-            if not sliding:
-                DynamicCache.crop(self, -1)
             self.stats.ttft_s = now(self.input_ids.device) - self._t0
             return seq, rows[0], rows[1], True
         if sample and j == g:  # every draft kept and the generation goes on: plain generate draws the next one
