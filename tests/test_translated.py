@@ -556,9 +556,33 @@ def test_prefix_layers_are_exact_and_the_rest_recompute_from_them(pair):
     for (k, v), (wk, wv) in zip(kv_of(c), kv):
         torch.testing.assert_close(k[..., :n, :], wk, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v[..., :n, :], wv, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="already exact"):
-        c2 = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="first-layer", prefix_layers=3)
-        tgt.generate(ids, cache=c2, max_new_tokens=1)
+
+
+def test_first_layer_deviation_follows_a_longer_exact_prefix(pair):
+    """The first-layer scorer (alone, or as a question scorer's base) measures the deviation at the first layer
+    after ``prefix_layers`` (layer 1 without a prefix), so every scorer works with a layer-aware budget; an explicit
+    check layer inside the prefix is refused at construction, before any generate. Planted bugs: the default layer
+    stays 1 (-> refused at generate, the old behaviour), or it is the prefix's last layer (-> the selection differs
+    from an explicit check at layer p, and exact_layers is p)."""
+    from hf_kvreuse.translation.scorers import FirstLayerDeviationScorer
+
+    src, tgt, mapper = pair
+    ids = _prompt(50, 13)
+    p = 2
+    auto = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="first-layer", prefix_layers=p)
+    tgt.generate(ids, cache=auto, max_new_tokens=1)
+    assert auto.stats.exact_layers == p + 1
+    explicit = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3,
+                               selector=FirstLayerDeviationScorer(check_layer=p), prefix_layers=p)
+    tgt.generate(ids, cache=explicit, max_new_tokens=1)
+    assert torch.equal(auto.selected_rows, explicit.selected_rows)
+    torch.testing.assert_close(auto.last_scores, explicit.last_scores)
+    plain = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="first-layer")
+    tgt.generate(ids, cache=plain, max_new_tokens=1)
+    assert plain.stats.exact_layers == 2  # no prefix: layer 1, as measured
+    with pytest.raises(ValueError, match="inside the 3 exact leading layers"):
+        TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector=FirstLayerDeviationScorer(check_layer=1),
+                        prefix_layers=3)
 
 
 def _src_cache(src, ids):

@@ -33,7 +33,7 @@ from ..reprs import stats_repr
 from ..rope import RopeShifter
 from ..timing import now
 from ..translation.mapper import KVMapper, run_source
-from ..translation.scorers import Scorer
+from ..translation.scorers import Scorer, scorer_parts
 from ..translation.selection import make_scorer
 from .base import KVReuseCache
 
@@ -197,6 +197,9 @@ class TranslatedCache(KVReuseCache):
         if isinstance(selector, str) and selector == "auto":
             selector, note = _auto_selector(source_model, source_cache, source_hidden, input_ids, tokenizer)
         self.scorer = make_scorer(selector, mapper, seed=seed, tokenizer=tokenizer)
+        for part in scorer_parts(self.scorer):  # a deviation checked inside the exact prefix: refused now
+            if hasattr(part, "layer_for"):
+                part.layer_for(prefix_layers, model.config.num_hidden_layers)
         self._src_shifter = RopeShifter(source_model, layout=src_check.rope_layout)
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)
         self.set_target(input_ids)

@@ -164,26 +164,41 @@ class FirstLayerDeviationScorer(Scorer):
     """CacheBlend's selection on translated K/V: run the target's layers ``0..check_layer`` for every position
     (those layers become the target's exact K/V for all positions) and score each position by the squared
     deviation of the fresh K/V at ``check_layer`` from the mapped ones (``deviation``: "values", "keys" or
-    "both"). Costs ``(check_layer + 1) / L`` of a target prefill."""
+    "both"). Costs ``(check_layer + 1) / L`` of a target prefill.
+
+    ``check_layer=None`` (default): the first layer after the leading layers the cache already runs for every row
+    (:class:`~hf_kvreuse.cache_classes.translated.TranslatedCache` ``prefix_layers``), layer 1 when it runs none
+    (CacheBlend's choice). An explicit layer before that prefix has no deviation left to measure: the cache
+    refuses it at construction (:meth:`layer_for`)."""
 
     name = "first-layer"
 
-    def __init__(self, check_layer: int = 1, deviation: str = "values"):
+    def __init__(self, check_layer: int | None = None, deviation: str = "values"):
         if deviation not in ("values", "keys", "both"):
             raise ValueError(f"deviation={deviation!r}: choose 'values', 'keys' or 'both'")
-        if check_layer < 0:
+        if check_layer is not None and check_layer < 0:
             raise ValueError("check_layer must be >= 0")
         self.check_layer, self.deviation = check_layer, deviation
+
+    def layer_for(self, prefix_layers: int, num_layers: int) -> int:
+        """The layer whose deviation is measured after ``prefix_layers`` exact leading layers of a ``num_layers``
+        model; raises where an explicit ``check_layer`` lies inside that prefix."""
+        if self.check_layer is None:
+            return min(max(1, prefix_layers), num_layers - 1)
+        c = min(self.check_layer, num_layers - 1)
+        if prefix_layers > c:
+            raise ValueError(f"FirstLayerDeviationScorer(check_layer={self.check_layer}) measures a layer inside the "
+                             f"{prefix_layers} exact leading layers (prefix_layers={prefix_layers}): the deviation "
+                             f"from the mapped K/V is gone there; check layer {prefix_layers} or later, or pass "
+                             "check_layer=None (the first layer after the prefix)")
+        return c
 
     def scores(self, cache, kv):
         from ..generation.partial import partial_forward
 
-        c = min(self.check_layer, len(kv) - 1)
+        c = self.layer_for(getattr(cache, "exact_layers", 0), len(kv))
         old = [t.clone() for t in kv[c]]
         n = kv[0][0].shape[-2]
-        if getattr(cache, "exact_layers", 0) > c:
-            raise ValueError(f"layer {c} is already exact (prefix_layers={cache.exact_layers}): the deviation from "
-                             "the mapped K/V is gone; check a layer at or after the prefix")
         if hasattr(cache, "run_prefix"):  # TranslatedCache: keeps the rows' hidden states for their recompute
             cache.run_prefix(kv, n, c + 1)
         else:
@@ -201,6 +216,16 @@ class FirstLayerDeviationScorer(Scorer):
 
     def __repr__(self) -> str:
         return f"FirstLayerDeviationScorer(check_layer={self.check_layer}, deviation={self.deviation!r})"
+
+
+def scorer_parts(scorer) -> list:
+    """``scorer`` and every scorer it delegates to (a question scorer's ``base``, a combination's parts)."""
+    out, todo = [], [scorer]
+    while todo:
+        s = todo.pop()
+        out.append(s)
+        todo += [b for b in (getattr(s, "base", None),) if b is not None] + list(getattr(s, "scorers", []) or [])
+    return out
 
 
 class CombinedScorer(Scorer):

@@ -448,12 +448,13 @@ def summarize(a, argv) -> None:
 
 def exact_layers(c: dict) -> int:
     """Leading target layers every row runs through under configuration ``c``: its ``prefix_layers``, or more when
-    the scorer runs them (``first-layer``: layers 0-1; ``first-layer@C``: layers 0..C), at ratios strictly in (0, 1)."""
+    the scorer runs them (``first-layer``: layers 0-1, or one layer past a longer prefix; ``first-layer@C``: layers
+    0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
     if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span",
                                                        "source-attention", "auto")):
         at_c = c["scorer"].startswith("first-layer@")  # the question scorers' "@" is their share
-        e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else 1) + 1)
+        e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else max(1, e)) + 1)  # the layer after the prefix
     return e
 
 
