@@ -178,15 +178,18 @@ def scorer_of(name: str, tok=None, gold=()):
         if kind == "question-words":
             return QuestionWordScorer(tok, **kw)
         return AnswerSpan(tok, gold, share=float(share) if share else 1.0)
-    if name.startswith("source-attention"):  # source-attention[@S][/L0,L1,..][w W][p P]
+    if name.startswith("source-attention"):  # source-attention[@S][/L0,L1,..][w W][p P][~BASE]
         import re
 
+        from hf_kvreuse.translation.scorers import RandomScorer
         from hf_kvreuse.translation.source_attention import SourceAttentionScorer
 
-        m = re.fullmatch(r"source-attention(?:@([\d.]+))?(?:/([\d,]+))?(?:w(\d+))?(?:p(\d+))?", name)
+        m = re.fullmatch(r"source-attention(?:@([\d.]+))?(?:/([\d,]+))?(?:w(\d+))?(?:p(\d+))?(?:~(random))?", name)
         if m is None:
-            raise SystemExit(f"scorer {name!r}: source-attention[@SHARE][/L0,L1,..][wWINDOW][pPOOL]")
+            raise SystemExit(f"scorer {name!r}: source-attention[@SHARE][/L0,L1,..][wWINDOW][pPOOL][~random]")
         kw = {}
+        if m.group(5):  # ~random: a base that runs no target layer (the default base, first-layer deviation, runs
+            kw["base"] = RandomScorer(0)  # two); with share 1.0 the base only orders what attention leaves tied
         if m.group(1):
             kw["share"] = float(m.group(1))
         if m.group(2):
@@ -452,7 +455,7 @@ def exact_layers(c: dict) -> int:
     0..C), at ratios strictly in (0, 1)."""
     e = c["prefix"]
     if 0 < c["ratio"] < 1 and c["scorer"].startswith(("first-layer", "question-", "answer-span",
-                                                       "source-attention", "auto")):
+                                                       "source-attention", "auto")) and "~" not in c["scorer"]:
         at_c = c["scorer"].startswith("first-layer@")  # the question scorers' "@" is their share
         e = max(e, (int(c["scorer"].split("@", 1)[1]) if at_c else max(1, e)) + 1)  # the layer after the prefix
     return e
