@@ -47,6 +47,14 @@ def _bench(name: str):
     return __import__(name)
 
 
+def _research(folder: str, name: str):
+    """A research script of ``research/<folder>/`` (its ``table`` renders its JSON)."""
+    path = str(ROOT / "research" / folder)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return __import__(name)
+
+
 def _retention(path: Path) -> str:
     """A TranslatedCache retention JSON as ``research/translated/translated_retention.py table`` prints it."""
     folder = str(ROOT / "research" / "translated")
@@ -145,6 +153,9 @@ TABLES = [
     ("Gemma 3 270M: the default against plain generate, three agents over a document of three windows",
      "gemma_workflow.json", lambda p: _bench("gemma_workflow").table(json.loads(p.read_text())),
      "../model-families.md"),
+    ("Drafts on tiny linear-attention hybrids: acceptance by state", "hybrid_draft_probe.json",
+     lambda p: _research("optimistic", "hybrid_draft_probe").table(json.loads(p.read_text())),
+     "../research/optimistic.md"),
 ]
 
 
