@@ -90,3 +90,14 @@ def git_commit(root: Path | str | None = None) -> str | None:
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def run_or_table(main: Callable[[], None], table: Callable[[dict], str]) -> None:
+    """A results script's entry point: ``python SCRIPT --table RESULTS.json`` prints ``table`` of that JSON (what
+    the docs' generated tables show); any other command line runs ``main``."""
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(table(json.loads(Path(sys.argv[2]).read_text())))
+    else:
+        main()

@@ -25,7 +25,6 @@ import cProfile
 import json
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     model, tok = load_offline(a.model, dtype=torch.float32)
     enable(model)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    from common import git_commit
+
+    commit = git_commit(ROOT)
     res = {"command": "python research/latent/latent_ttft_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "args": vars(a), "git_commit": commit, "date": time.strftime("%F %T"), "sizes": {}}
     for n in a.sizes:
@@ -129,7 +130,6 @@ def table(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--table":
-        print(table(json.loads(Path(sys.argv[2]).read_text())))
-    else:
-        main()
+    from common import run_or_table
+
+    run_or_table(main, table)

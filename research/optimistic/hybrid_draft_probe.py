@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common: the results scripts' shared helpers
 VARIANTS = ("donor", "own", "zero")
 #: the floor: a draft whose block K/V and state come from another, unrelated block (how much the model's next
 #: tokens depend on the block at all; near the variants above, the probe cannot tell them apart)
@@ -122,7 +122,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hybrid_draft_probe.json"))
     a = p.parse_args(argv)
     torch.manual_seed(0)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    from common import git_commit
+
+    commit = git_commit(ROOT)
     res = {"command": "python research/optimistic/hybrid_draft_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "args": vars(a), "git_commit": commit, "date": time.strftime("%F %T"), "models": {}}
     runs = [(m, d) for m in a.models for d in ([None if x == "init" else float(x) for x in a.decay]
@@ -192,7 +194,6 @@ def table(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--table":
-        print(table(json.loads(Path(sys.argv[2]).read_text())))
-    else:
-        main()
+    from common import run_or_table
+
+    run_or_table(main, table)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,12 +22,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common: the results scripts' shared helpers
 
 
 def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from gemma_workflow import document
 
     from hf_kvreuse import ReuseSession
@@ -72,7 +71,9 @@ def main(argv=None) -> None:
         y = ops["session"].get(k, {"count": 0, "cpu_ms": 0.0})
         if x["count"] != y["count"] or abs(x["cpu_ms"] - y["cpu_ms"]) > 5:
             diff[k] = {"plain": x, "session": y}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    from common import git_commit
+
+    commit = git_commit(ROOT)
     res = {"command": "python research/performance/first_call_ops.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "args": vars(a), "git_commit": commit, "date": time.strftime("%F %T"), "prompt_tokens": int(ids.shape[1]),
            "ttft_s": timed, "ttft_ratio_median": statistics.median(ratios) if ratios else None,
@@ -102,7 +103,6 @@ def table(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--table":
-        print(table(json.loads(Path(sys.argv[2]).read_text())))
-    else:
-        main()
+    from common import run_or_table
+
+    run_or_table(main, table)
