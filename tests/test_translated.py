@@ -878,3 +878,60 @@ def test_residual_map_round_trip_and_another_pair_refused(residual_pair, tmp_pat
     with pytest.raises(ValueError, match="invalid residual config"):
         fit_residuals(m, src, tgt, _calib(2), ResidualConfig(rank=0), progress=False)
     assert all(torch.equal(a.residual["u"], b.residual["u"]) for a, b in zip(m.layers, mapper.layers))
+
+
+@pytest.mark.parametrize("cfg", [dict(recompute_ratio=0.3, selector="first-layer"),
+                                 dict(recompute_ratio=0.3, selector="random", prefix_layers=3),
+                                 dict(recompute_ratio=0.0), dict(recompute_ratio=1.0),
+                                 dict(recompute_ratio=0.5, selector="random", prefix_layers=-1)])
+def test_fused_first_step_equals_the_recompute_then_one_token_step(pair, cfg):
+    """fuse_first_step=True (the default) recomputes the selected rows in the first token's forward with the last
+    prompt token: the same tokens, logits and K/V as the recompute in the assembly followed by generate's own
+    one-token step, for exact leading layers 0, 2, 3 and all of them, at ratios 0, 0.3, 0.5 and 1; the cache then
+    continues. Planted bugs: the last token skips the exact leading layers (its hidden state from the embedding),
+    the selected rows are left out of the fused forward (only the last token runs), the last token's logits read
+    the first selected row instead (`h[:, :1]`) -> logits / K/V differ. (The selected rows restarting from their
+    embeddings at layer 0 is not a bug: the leading layers are exact for every row, so it only costs time.)"""
+    src, tgt, mapper = pair
+    ids = _prompt(48, 21)
+    cfg = dict(cfg)
+    if cfg.get("prefix_layers") == -1:
+        cfg["prefix_layers"] = tgt.config.num_hidden_layers
+    outs, caches = {}, {}
+    for fuse in (True, False):
+        c = TranslatedCache(tgt, src, mapper, ids, fuse_first_step=fuse, **cfg)
+        outs[fuse] = tgt.generate(ids, cache=c, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                                  output_logits=True)
+        caches[fuse] = c
+    assert caches[True].stats.fused_first_step and not caches[False].stats.fused_first_step
+    assert torch.equal(caches[True].selected_rows, caches[False].selected_rows)
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    torch.testing.assert_close(_logits(outs[True]), _logits(outs[False]), atol=1e-4, rtol=1e-4)
+    for (k, v), (k2, v2) in zip(kv_of(caches[True]), kv_of(caches[False])):
+        torch.testing.assert_close(k, k2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, v2, atol=1e-4, rtol=1e-4)
+    if cfg["recompute_ratio"] == 1.0:  # the full prefill, in one forward now
+        ref = _full(tgt, ids, 5)
+        assert torch.equal(outs[True].sequences, ref.sequences)
+        torch.testing.assert_close(_logits(outs[True]), _logits(ref), atol=1e-4, rtol=1e-4)
+    nxt = torch.cat([outs[True].sequences, _prompt(3, 22)], 1)  # the returned cache continues
+    nxt2 = torch.cat([outs[False].sequences, _prompt(3, 22)], 1)
+    more = tgt.generate(nxt, attention_mask=torch.ones_like(nxt), cache=caches[True], max_new_tokens=2,
+                        do_sample=False)
+    more2 = tgt.generate(nxt2, attention_mask=torch.ones_like(nxt2), cache=caches[False], max_new_tokens=2,
+                         do_sample=False)
+    assert torch.equal(more, more2)
+
+
+def test_fused_first_step_steps_aside_for_hidden_states(pair):
+    """A generate that returns hidden states or attentions keeps the model's own first forward (the fused one would
+    report the recomputed rows, not the last token). Planted bug: `returns_internals` ignored -> fused is True."""
+    src, tgt, mapper = pair
+    ids = _prompt(30, 23)
+    c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="random")
+    out = tgt.generate(ids, cache=c, max_new_tokens=2, do_sample=False, output_hidden_states=True,
+                       return_dict_in_generate=True)
+    assert not c.stats.fused_first_step
+    assert out.hidden_states[0][-1].shape[1] == 1  # the last prompt token's forward, as generate runs it
+    with pytest.raises(TypeError, match="fuse_first_step"):
+        TranslatedCache(tgt, src, mapper, ids, fuse_first_step=1)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..devices import input_device
+from ..generation.fused import PendingForward, returns_internals
 from ..generation.partial import partial_forward
 from ..kv import kv_of, load_kv
 from ..model_check import check_donor
@@ -63,6 +64,10 @@ class TranslatedStats:
         the target's recompute.
     assemble_s : float
         Everything before the target's first decoding forward.
+    fused_first_step : bool
+        The selected rows were recomputed in the forward that gives the first token, with the last prompt token
+        (``fuse_first_step``): one pass over the target's weights less before the first token; ``recompute_s`` is
+        then that whole forward, after ``assemble_s``.
     kernels : str
         Backend of the hot paths: ``"torch"`` or ``"triton"`` (``HF_KVREUSE_KERNELS``).
     """
@@ -81,6 +86,7 @@ class TranslatedStats:
     select_s: float = 0.0
     recompute_s: float = 0.0
     assemble_s: float = 0.0         # everything before the target's first decoding forward
+    fused_first_step: bool = False  # the recompute ran in the first token's forward (recompute_s is in it)
     kernels: str = "torch"                 # backend of the hot paths: "torch" or "triton" (HF_KVREUSE_KERNELS)
 
     def as_dict(self) -> dict:
@@ -161,6 +167,11 @@ class TranslatedCache(KVReuseCache):
         source-attention scorers) measures its deviation at the first layer after them (layer
         ``max(1, prefix_layers)``), which becomes exact too. Spending a fixed budget on more exact leading layers and
         fewer selected rows was measured against the default (research notes, TranslatedCache selection).
+    fuse_first_step : bool, default=True
+        Keyword-only. The selected rows are recomputed in the forward that gives the first token, together with the
+        last prompt token (:mod:`hf_kvreuse.generation.fused`): the same K/V and logits up to float rounding, one
+        pass over the target's weights less before the first token. Not when ``generate`` returns attentions or
+        hidden states. False: the recompute runs in the assembly, then ``generate``'s one-token step.
     tokenizer : optional
         The pair's tokenizer: ``"question-words"``
         (:class:`~hf_kvreuse.translation.question.QuestionWordScorer`: the context rows near several of the
@@ -172,7 +183,8 @@ class TranslatedCache(KVReuseCache):
 
     def __init__(self, model, source_model, mapper: KVMapper, input_ids: torch.Tensor, recompute_ratio: float = 0.3,
                  selector: str | Scorer = "auto", sink_tokens: int = 4, suffix_tokens: int = 16, seed: int = 0,
-                 source_cache=None, source_hidden: dict | None = None, prefix_layers: int = 0, tokenizer=None):
+                 source_cache=None, source_hidden: dict | None = None, prefix_layers: int = 0, tokenizer=None, *,
+                 fuse_first_step: bool = True):
         from ..generation.mixin import enable
         from ..model_check import require
 
@@ -184,6 +196,8 @@ class TranslatedCache(KVReuseCache):
             raise ValueError("sink_tokens and suffix_tokens must be >= 0")
         if not 0 <= prefix_layers <= model.config.num_hidden_layers:
             raise ValueError(f"prefix_layers must be in 0..{model.config.num_hidden_layers}, got {prefix_layers}")
+        if not isinstance(fuse_first_step, bool):
+            raise TypeError(f"fuse_first_step must be True or False, got {fuse_first_step!r}")
         if source_model is model:
             raise ValueError("source_model is the target model itself: use a plain prefill (or OptimisticCache)")
         super().__init__(model)
@@ -234,7 +248,7 @@ class TranslatedCache(KVReuseCache):
                 raise ValueError(f"source_hidden of layers {short} covers fewer than the prompt's "
                                  f"{self.input_ids.shape[1] - 1} tokens")
         self.source_cache, self.source_hidden = source_cache, source_hidden
-        self.prefix_layers = prefix_layers
+        self.prefix_layers, self.fuse_first_step = prefix_layers, fuse_first_step
         self._prefix_hidden = None
         self.exact_layers = 0
         self.selected_rows = torch.zeros(0, dtype=torch.long)
@@ -332,20 +346,69 @@ class TranslatedCache(KVReuseCache):
         rows, forced = self.select(scores, n)
         t3 = now(device)
         # 4. recompute the selected rows through the target layers after the exact prefix (all rows in order
-        # through every layer: the full prefill)
-        if rows.numel():
-            e = self.exact_layers
-            if e and self._prefix_hidden is not None:
-                if e < len(kv):
-                    partial_forward(model, ids, rows.to(device), kv, layers=range(e, len(kv)),
-                                    hidden_states=self._prefix_hidden[:, rows.to(device)])
-            else:
-                partial_forward(model, ids, rows.to(device), kv, layers=range(len(kv)))
+        # through every layer: the full prefill); fused: in the first forward, with the last prompt token
+        e, hidden = self.exact_layers, self._prefix_hidden
         self._prefix_hidden = None
+        rows_d = rows.to(device)
+        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
+        st.fused_first_step = fuse
+        if fuse:
+            # storage for the last prompt token's row too; generate sees the first n rows until the first forward
+            kv = [(torch.cat([k, k.new_zeros(k[..., :1, :].shape)], -2),
+                   torch.cat([v, v.new_zeros(v[..., :1, :].shape)], -2)) for k, v in kv]
+            sel = hidden[:, rows_d] if e and hidden is not None else None
+            self._pending = PendingForward(int(self.input_ids[0, -1]),
+                                           _FusedRecompute(self, kv, rows_d, e, sel, st))
+            kv_visible = [(k[..., :n, :], v[..., :n, :]) for k, v in kv]
+        elif rows.numel():
+            if e and hidden is not None:
+                if e < len(kv):
+                    partial_forward(model, ids, rows_d, kv, layers=range(e, len(kv)), hidden_states=hidden[:, rows_d])
+            else:
+                partial_forward(model, ids, rows_d, kv, layers=range(len(kv)))
+        del hidden
         t4 = now(device)
-        load_kv(self, kv)
+        load_kv(self, kv_visible if fuse else kv)
         self.selected_rows = rows
         st.prompt_tokens, st.recomputed_tokens, st.forced_tokens = n, int(rows.numel()), forced
         st.exact_layers = self.exact_layers
-        st.source_prefill_s, st.map_s, st.select_s, st.recompute_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        st.source_prefill_s, st.map_s, st.select_s = t1 - t0, t2 - t1, t3 - t2
+        st.recompute_s = 0.0 if fuse else t4 - t3
         st.assemble_s = t4 - t0
+
+
+class _FusedRecompute:
+    """The first forward of a fused :class:`TranslatedCache`: the last prompt token through the exact leading
+    layers (the selected rows already have their hidden states there), then the selected rows and the last token
+    together through the layers after them, each row attending to the columns at positions not after its own (as
+    the recompute and then ``generate``'s one-token step would); the logits of the last token."""
+
+    def __init__(self, cache, kv, rows, exact_layers: int, hidden, stats):
+        self.kv, self.rows, self.e, self.hidden, self.stats = kv, rows, exact_layers, hidden, stats
+        self.input_ids = cache.input_ids
+
+    @torch.no_grad()
+    def __call__(self, model, cache):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        t0 = now(self.input_ids.device)
+        kv, e, ids = self.kv, self.e, self.input_ids
+        n = ids.shape[1] - 1
+        last = torch.tensor([n], device=self.rows.device, dtype=torch.long)
+        rows = torch.cat([self.rows, last])
+        if e == 0:  # every row from its token embedding: the model's own forward gives the logits
+            out = partial_forward(model, ids, rows, kv)
+        else:
+            h = partial_forward(model, ids, last, kv, layers=range(e))
+            if e < len(kv):  # (every layer exact: the selected rows have nothing left to recompute)
+                h = h if self.hidden is None else torch.cat([self.hidden, h], 1)
+                h = partial_forward(model, ids, rows, kv, layers=range(e, len(kv)), hidden_states=h)
+            logits = model.get_output_embeddings()(h[:, -1:])
+            cap = getattr(model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            out = CausalLMOutputWithPast(logits=logits)
+        self.hidden = None
+        load_kv(cache, kv)  # the prompt's rows, the last token's included, as a decode step leaves them
+        self.stats.recompute_s = now(ids.device) - t0
+        return out
