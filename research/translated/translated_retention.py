@@ -152,10 +152,10 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def parse_config(text: str) -> dict:
     parts = text.split(":")
-    if len(parts) not in (3, 4):
-        raise SystemExit(f"--config {text!r}: MAP:RATIO:SCORER[:PREFIX_LAYERS]")
+    if len(parts) not in (3, 4, 5) or (len(parts) == 5 and parts[4] != "nofuse"):
+        raise SystemExit(f"--config {text!r}: MAP:RATIO:SCORER[:PREFIX_LAYERS[:nofuse]]")
     return {"key": text, "map": parts[0], "ratio": float(parts[1]), "scorer": parts[2],
-            "prefix": int(parts[3]) if len(parts) == 4 else 0}
+            "prefix": int(parts[3]) if len(parts) >= 4 else 0, "fuse": len(parts) < 5}
 
 
 def scorer_of(name: str, tok=None, gold=()):
@@ -317,7 +317,7 @@ def run(a, argv) -> None:
             t1 = time.perf_counter()
             cache = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=c["ratio"], selector=sel,
                                     suffix_tokens=ref["suffix"], source_cache=sc, source_hidden=hidden,
-                                    prefix_layers=c["prefix"])
+                                    prefix_layers=c["prefix"], fuse_first_step=c.get("fuse", True))
             gen = tgt.generate(ids, cache=cache, max_new_tokens=a.max_new_tokens, do_sample=False, streamer=timer)
             ans = _answer(tok, gen, ids.shape[1])
             run_rec = {"answer": ans, "ok": contains_answer(ans, ref["gold"]), "agree": ans == ref["full"],
@@ -504,7 +504,8 @@ def table(path: str) -> str:
         first = pd(r["vs_first"]) if j and "vs_first" in r else "-"
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
         fallback = pct(r["fallback_rate"]) if "fallback_rate" in r else "-"
-        lines.append(f"| {r['map']} | {r['ratio']} | {r['scorer']} | {exact_layers(r)} | {pct(r['recomputed_share'])} | "
+        scorer = r["scorer"] + (" (not fused)" if r.get("fuse") is False else "")
+        lines.append(f"| {r['map']} | {r['ratio']} | {scorer} | {exact_layers(r)} | {pct(r['recomputed_share'])} | "
                      f"{pct(r['retention'])} {ci(r['retention_ci'])} | {pct(r['agreement'])} | "
                      f"{pd(r['vs_source_alone'])} | {first} | {sp} | {speed} | {fallback} |")
     return "\n".join(lines)
@@ -524,7 +525,7 @@ def main(argv=None) -> None:
     p.add_argument("--work", default="/tmp/tr24/squad")
     p.add_argument("--map", action="append", default=[], help="NAME=PATH of a saved map")
     p.add_argument("--config", action="append", default=[],
-                   help="MAP:RATIO:SCORER[:EXACT_LAYERS] (scorer: rank, random, oracle, first-layer, first-layer@C (deviation "
+                   help="MAP:RATIO:SCORER[:EXACT_LAYERS[:nofuse]] (nofuse: the recompute before generate's first step; scorer: rank, random, oracle, first-layer, first-layer@C (deviation "
                         "at layer C, layers 0..C exact), ...); summarize: "
                         "the row order (default: as found)")
     p.add_argument("--no-timing", dest="timing", action="store_false",
