@@ -13,6 +13,7 @@ or time differs::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -39,6 +40,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=1536, help="document tokens (SQuAD passages)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=9, help="interleaved timed first calls of each (no profiler)")
+    p.add_argument("--gc", action="store_true", help="gc.collect() before every timed call (the sessions of "
+                   "earlier calls are freed before the next one starts)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "first_call_ops.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -48,6 +51,8 @@ def main(argv=None) -> None:
               return_tensors="pt").input_ids
 
     def first(fn):
+        if a.gc:
+            gc.collect()
         timer = TokenTimer().start()
         fn(ids, streamer=timer, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
         return timer.ttft_s
