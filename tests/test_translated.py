@@ -935,3 +935,28 @@ def test_fused_first_step_steps_aside_for_hidden_states(pair):
     assert out.hidden_states[0][-1].shape[1] == 1  # the last prompt token's forward, as generate runs it
     with pytest.raises(TypeError, match="fuse_first_step"):
         TranslatedCache(tgt, src, mapper, ids, fuse_first_step=1)
+
+
+def test_fused_first_step_reads_logits_only_from_a_probed_plain_head(pair, monkeypatch):
+    """With exact leading layers the fused step computes the last token's logits from the output head itself: only
+    where a probe shows that the model's own forward does the same (Granite divides its logits by
+    ``logits_scaling``: not plain; Gemma 2's soft-capping is reproduced); elsewhere the cache keeps generate's
+    one-token step, with the same answer. Planted bug: `plain_head` always True -> the Granite probe passes."""
+    from hf_kvreuse.generation.partial import plain_head
+    from hf_kvreuse.models.arch_zoo import zoo_model
+
+    assert plain_head(pair[1])
+    assert not plain_head(zoo_model("granite", logits_scaling=4.0))
+    assert plain_head(zoo_model("gemma2", final_logit_softcapping=5.0))
+    src, tgt, mapper = pair
+    ids = _prompt(40, 24)
+    ref = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="first-layer", fuse_first_step=False)
+    want = tgt.generate(ids, cache=ref, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                        output_logits=True)
+    monkeypatch.setattr("hf_kvreuse.cache_classes.translated.plain_head", lambda m: False)
+    c = TranslatedCache(tgt, src, mapper, ids, recompute_ratio=0.3, selector="first-layer")
+    got = tgt.generate(ids, cache=c, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)
+    assert not c.stats.fused_first_step and c.stats.exact_layers == 2
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(_logits(got), _logits(want), atol=1e-5, rtol=1e-5)

@@ -27,7 +27,7 @@ import torch
 
 from ..devices import input_device
 from ..generation.fused import PendingForward, returns_internals
-from ..generation.partial import partial_forward
+from ..generation.partial import head_logits, partial_forward, plain_head
 from ..kv import kv_of, load_kv
 from ..model_check import check_donor
 from ..reprs import stats_repr
@@ -171,7 +171,9 @@ class TranslatedCache(KVReuseCache):
         Keyword-only. The selected rows are recomputed in the forward that gives the first token, together with the
         last prompt token (:mod:`hf_kvreuse.generation.fused`): the same K/V and logits up to float rounding, one
         pass over the target's weights less before the first token. Not when ``generate`` returns attentions or
-        hidden states. False: the recompute runs in the assembly, then ``generate``'s one-token step.
+        hidden states, nor with exact leading layers on a model whose forward computes its logits otherwise than
+        its output embedding (and soft-capping) would (probed once per model: a logit scale, another head).
+        False: the recompute runs in the assembly, then ``generate``'s one-token step.
     tokenizer : optional
         The pair's tokenizer: ``"question-words"``
         (:class:`~hf_kvreuse.translation.question.QuestionWordScorer`: the context rows near several of the
@@ -331,8 +333,13 @@ class TranslatedCache(KVReuseCache):
         self.scorer.reset(n, device)
         if hasattr(self.scorer, "observe_source"):  # the source's own attention (source-attention selector)
             self.scorer.observe_source(self, src_kv, hidden, n)
-        kv = self.mapper.translate(src_kv, torch.arange(n, device=src_dev), self._src_shifter,
-                                   self._shifter, dtype, device, observe=self.scorer.observe, hidden=hidden)
+        # a fused first step writes the last prompt token's row after the n mapped ones: storage for it too, and
+        # views of the n rows for everything before it
+        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
+        full = self.mapper.translate(src_kv, torch.arange(n, device=src_dev), self._src_shifter, self._shifter,
+                                     dtype, device, observe=self.scorer.observe, hidden=hidden,
+                                     extra_rows=1 if fuse else 0)
+        kv = [(k[..., :n, :], v[..., :n, :]) for k, v in full] if fuse else full
         del src_kv, hidden
         self.source_cache = self.source_hidden = None  # not held past the assembly
         t2 = now(device)
@@ -350,16 +357,14 @@ class TranslatedCache(KVReuseCache):
         e, hidden = self.exact_layers, self._prefix_hidden
         self._prefix_hidden = None
         rows_d = rows.to(device)
-        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
+        # fused with exact leading layers: the last token's logits come from the output head (probed to be the
+        # model's own); a model whose forward does more keeps generate's one-token step
+        fuse = fuse and (e == 0 or plain_head(model))
         st.fused_first_step = fuse
-        if fuse:
-            # storage for the last prompt token's row too; generate sees the first n rows until the first forward
-            kv = [(torch.cat([k, k.new_zeros(k[..., :1, :].shape)], -2),
-                   torch.cat([v, v.new_zeros(v[..., :1, :].shape)], -2)) for k, v in kv]
+        if fuse:  # generate sees the n rows (views) until the first forward writes the last token's row
             sel = hidden[:, rows_d] if e and hidden is not None else None
             self._pending = PendingForward(int(self.input_ids[0, -1]),
-                                           _FusedRecompute(self, kv, rows_d, e, sel, st))
-            kv_visible = [(k[..., :n, :], v[..., :n, :]) for k, v in kv]
+                                           _FusedRecompute(self, full, rows_d, e, sel, st))
         elif rows.numel():
             if e and hidden is not None:
                 if e < len(kv):
@@ -368,7 +373,8 @@ class TranslatedCache(KVReuseCache):
                 partial_forward(model, ids, rows_d, kv, layers=range(len(kv)))
         del hidden
         t4 = now(device)
-        load_kv(self, kv_visible if fuse else kv)
+        del full
+        load_kv(self, kv)
         self.selected_rows = rows
         st.prompt_tokens, st.recomputed_tokens, st.forced_tokens = n, int(rows.numel()), forced
         st.exact_layers = self.exact_layers
@@ -403,11 +409,7 @@ class _FusedRecompute:
             if e < len(kv):  # (every layer exact: the selected rows have nothing left to recompute)
                 h = h if self.hidden is None else torch.cat([self.hidden, h], 1)
                 h = partial_forward(model, ids, rows, kv, layers=range(e, len(kv)), hidden_states=h)
-            logits = model.get_output_embeddings()(h[:, -1:])
-            cap = getattr(model.config, "final_logit_softcapping", None)
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-            out = CausalLMOutputWithPast(logits=logits)
+            out = CausalLMOutputWithPast(logits=head_logits(model, h[:, -1:]))
         self.hidden = None
         load_kv(cache, kv)  # the prompt's rows, the last token's included, as a decode step leaves them
         self.stats.recompute_s = now(ids.device) - t0

@@ -123,6 +123,53 @@ def _decoder(model):
     return base
 
 
+_HEADS = None  # model -> (config digest, whether head_logits reproduces the model's own logits)
+
+
+def _head(model, hidden: torch.Tensor) -> torch.Tensor:
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+def plain_head(model) -> bool:
+    """Whether the model's own forward computes its logits as :func:`head_logits` does (the output embedding, then
+    ``final_logit_softcapping`` where set), not with a logit scale or another head: probed once per model and
+    config, a 4-token forward compared with the base model's last hidden state put through that head."""
+    import weakref
+
+    from ..devices import input_device
+    from ..fingerprint import config_digest
+
+    global _HEADS
+    if _HEADS is None:
+        _HEADS = weakref.WeakKeyDictionary()
+    key = config_digest(model.config)
+    hit = _HEADS.get(model)
+    if hit is None or hit[0] != key:
+        try:
+            vocab = int(model.config.vocab_size)
+            ids = (torch.arange(4) * 7 % max(vocab - 3, 1) + 3)[None].to(input_device(model))
+            want = model(input_ids=ids, use_cache=False).logits.float()
+            got = _head(model, _decoder(model)(input_ids=ids, use_cache=False).last_hidden_state).float()
+            ok = want.shape == got.shape and bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(
+                want.abs().max().clamp_min(1.0))))
+        except Exception:  # noqa: BLE001 - no output embedding or another layout: not this head
+            ok = False
+        hit = _HEADS[model] = (key, ok)
+    return hit[1]
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits of final-norm hidden states ``hidden`` ``[1, R, hidden]``; only for a model whose
+    :func:`plain_head` holds (refused otherwise)."""
+    if not plain_head(model):
+        raise NotImplementedError(f"{type(model).__name__}'s forward does not compute its logits as its output "
+                                  "embedding (and soft-capping) does: run the model's own forward instead")
+    return _head(model, hidden)
+
+
 @torch.no_grad()
 def run_layers(model, layers: range, hidden_states: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                cache) -> torch.Tensor:

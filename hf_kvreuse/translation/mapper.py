@@ -476,12 +476,13 @@ class KVMapper:
 
     def translate(self, source_kv: KV, positions: torch.Tensor, source_shifter: RopeShifter,
                   target_shifter: RopeShifter, dtype: torch.dtype, device: torch.device | None = None,
-                  observe=None, hidden: dict[int, torch.Tensor] | None = None) -> KV:
+                  observe=None, hidden: dict[int, torch.Tensor] | None = None, extra_rows: int = 0) -> KV:
         """Target-model K/V (post-RoPE at ``positions``) from a source cache (and, for maps that read them, the
         source's normalised hidden states ``hidden``: ``{layer: [T, hidden]}`` from :func:`run_source`).
 
         ``observe(t, keys_content, values)`` is called per target layer with the ``[T, H*D]`` float32 maps
-        (scorers that read the mapped K/V use it).
+        (scorers that read the mapped K/V use it). ``extra_rows``: each layer's storage holds that many more rows
+        after the ``T`` mapped ones (zeros; for rows a later forward writes).
         """
         missing = [s for s in self.hidden_layers if hidden is None or s not in hidden]
         if missing:
@@ -490,13 +491,13 @@ class KVMapper:
         device = device or source_kv[0][0].device
         feats = [(k.to(device), v.to(device)) for k, v in
                  content_features(source_kv, source_shifter, positions.to(source_kv[0][0].device))]
-        return self.translate_features(feats, positions, target_shifter, dtype, device, observe, hidden)
+        return self.translate_features(feats, positions, target_shifter, dtype, device, observe, hidden, extra_rows)
 
     def translate_features(self, feats: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
                            target_shifter: RopeShifter, dtype: torch.dtype, device: torch.device | None = None,
-                           observe=None, hidden: dict[int, torch.Tensor] | None = None) -> KV:
+                           observe=None, hidden: dict[int, torch.Tensor] | None = None, extra_rows: int = 0) -> KV:
         """:meth:`translate` from the source's content features (:func:`content_features`) already computed;
-        differentiable in the maps (the output fit trains through it)."""
+        differentiable in the maps (the output fit trains through it) when ``extra_rows == 0``."""
         device = device or feats[0][0].device
         cs = target_shifter.cos_sin(positions.to(device), device)
         out = []
@@ -505,7 +506,15 @@ class KVMapper:
             if observe is not None:
                 observe(t, kc, v)
             k = target_shifter.shift(self.to_cache_layout(kc), None, cs)
-            out.append((k.to(dtype).contiguous(), self.to_cache_layout(v).to(dtype).contiguous()))
+            v = self.to_cache_layout(v)
+            if extra_rows:  # one copy into the larger storage (in place of the contiguous copy)
+                kk, vv = (k.new_empty(k.shape[:2] + (k.shape[2] + extra_rows, k.shape[3]), dtype=dtype)
+                          for _ in range(2))
+                kk[..., : k.shape[2], :], vv[..., : v.shape[2], :] = k, v
+                kk[..., k.shape[2]:, :], vv[..., v.shape[2]:, :] = 0, 0  # never garbage (NaN times a zero weight)
+                out.append((kk, vv))
+            else:
+                out.append((k.to(dtype).contiguous(), v.to(dtype).contiguous()))
         return out
 
     # -- identity --------------------------------------------------------------------------------------------
