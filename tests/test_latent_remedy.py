@@ -782,3 +782,145 @@ def test_bridge_cast_to_bf16_with_its_model():
     bf16, fp32 = CacheZoo("cpu", torch.bfloat16).run("latent"), CacheZoo("cpu").run("latent")
     assert torch.equal(bf16["tokens"], fp32["tokens"])
     assert (bf16["logits"][0] - fp32["logits"][0]).abs().max() < 0.2
+
+
+# -- gated read-out: a bridge that can only add to the rows it runs with ----------------------------------------
+def _focus_case(seed=43):
+    from conftest import WordTokenizer
+
+    tok = WordTokenizer()
+    pa, pb, blk, q = _parts(seed)
+    blk[(blk == 23) | (blk == 24)] = 25
+    pb[(pb == 23) | (pb == 24)] = 25
+    pa = pb.clone()
+    blk[0, 3], pb[0, -1], pa[0, -1] = 23, 23, 24  # the prefixes disagree on w23 / w24; w23 sits in the block
+    return tok, pa, torch.cat([pb, blk, q], 1)
+
+
+def _gated(model, n=3, trained=False, rows="focus", seed=2):
+    torch.manual_seed(seed)
+    b = LatentBridge(model, n_latent=n, hidden=16, tail_tokens=6, readout="gated", readout_rank=4, rows=rows)
+    if trained:  # a read-out that acts (an untrained one adds exactly nothing)
+        with torch.no_grad():
+            for p in list(b.mlp.parameters()) + [b.gate.o]:
+                p.normal_(0, 0.3)
+    return b
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_untrained_gated_bridge_is_focus_recompute(model, fuse):
+    """Step 0 of a gated bridge is FocusRecompute exactly: same logits at every step, same returned K/V, the cache
+    continues, and transformers < 5.17 is not needed (no latent rows in the cache). Planted bug: the read-out's
+    output projection initialised at random (`torch.zeros` -> `torch.randn` for `GatedReadout.o`) -> fails."""
+    from hf_kvreuse import FocusRecomputeCache
+
+    tok, pa, ids = _focus_case()
+    store = ChunkStore()
+    ref_cache = FocusRecomputeCache(model, ids, [(9, 39)], tok, store=store, block_prefix_ids=pa[0],
+                                    recompute_tokens=6, window=2, fuse_first_step=fuse)
+    ref = _gen(model, ids, ref_cache)
+    got_cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=_gated(model), store=store, block_prefix_ids=pa[0],
+                                  focus=tok, focus_window=2, fuse_first_step=fuse)
+    got = _gen(model, ids, got_cache)
+    assert got.sequences.tolist() == ref.sequences.tolist()
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-5, rtol=1e-5)
+    for (k1, v1), (k2, v2) in zip(kv_of(got_cache), kv_of(ref_cache)):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+    assert got_cache.stats.latent_tokens == 3 and got_cache.stats.focus_rows == ref_cache.stats.focus_rows
+    assert got_cache.stats.recomputed_tokens == ref_cache.stats.recomputed_tokens
+    nxt = torch.cat([got.sequences, torch.tensor([[5, 6, 7]])], 1)  # the returned cache continues
+    ref2 = _gen(model, nxt, ref_cache, new=3)
+    got2 = _gen(model, nxt, got_cache, new=3)
+    torch.testing.assert_close(torch.stack(got2.logits), torch.stack(ref2.logits), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ["focus", "tail"])
+def test_gated_bridge_cache_equals_trainer(model, rows):
+    """A gated bridge that acts: the cache's logits at the first answer token and the teacher-forced next ones
+    equal the trainer's student (:func:`student_logits_gated`, the padded batch with 4D position masks), alone
+    and batched with another example; the read-out hook is gone after generate. Planted bugs: the latents run
+    after the recomputed rows in the trainer only (their stale entries hidden in pass 1 too) -> fails; the
+    trainer's recomputed rows left visible as stale entries (`cvalid_b[...] = False` removed) -> fails."""
+    from hf_kvreuse.latent.train import attach_focus_rows, recompute_rows, student_logits_gated
+
+    from hf_kvreuse.generation.partial import _decoder
+
+    hooks_before = [len(layer._forward_hooks) for layer in _decoder(model).layers]
+    tok, pa, ids = _focus_case()
+    bridge = _gated(model, trained=True, rows=rows)
+    kw = {"focus": tok, "focus_window": 2} if rows == "focus" else {}
+    cache = LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0], **kw)
+    out = _gen(model, ids, cache, new=3)
+    direct = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=_gated(model, rows=rows),
+                                                block_prefix_ids=pa[0], **kw), new=1)
+    assert not torch.allclose(out.logits[0], direct.logits[0], atol=1e-3)  # the trained read-out changes them
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=3, top_k=8)
+    other = make_example(model, torch.cat([pa, ids[:, 9:]], 1), (9, 39), ids[0, :9], n_answer=3, top_k=8)
+    ex.meta.update(record=0, direction="a->b")
+    other.meta.update(record=0, direction="b->a")
+    if rows == "focus":
+        attach_focus_rows(tok, [ex, other], 6, window=2)
+        assert ex.meta["rows"] == cache.tail_rows().tolist()
+    # the student is teacher-forced on the teacher's (full prefill's) answer: compare the first token's logits,
+    # and the later ones where the cache's answer is the teacher's
+    with torch.no_grad():
+        alone = student_logits_gated(model, bridge, [ex], [recompute_rows(ex, 6, rows)])[0]
+        both = student_logits_gated(model, bridge, [other, ex], [recompute_rows(e, 6, rows) for e in (other, ex)])
+    torch.testing.assert_close(alone[0], out.logits[0][0], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(both[1], alone, atol=2e-4, rtol=2e-4)
+    assert [len(layer._forward_hooks) for layer in _decoder(model).layers] == hooks_before  # the read-out's are gone
+
+
+def test_gated_bridge_refusals_and_round_trip(model, tmp_path):
+    """A focus-trained bridge without ``focus=`` is refused; gated + LoRA is refused; save / load keeps the read-out
+    (same logits)."""
+    tok, pa, ids = _focus_case()
+    with pytest.raises(ValueError, match="focus="):
+        LatentRemedyCache(model, ids, [(9, 39)], bridge=_gated(model), block_prefix_ids=pa[0])
+    with pytest.raises(ValueError, match="no LoRA"):
+        LatentBridge(model, n_latent=2, readout="gated", lora_rank=2)
+    with pytest.raises(ValueError, match="readout must be"):
+        LatentBridge(model, n_latent=2, readout="cross")
+    b = _gated(model, trained=True)
+    b.save(tmp_path / "g", dtype=torch.float32)
+    b2 = LatentBridge.load(tmp_path / "g", model)
+    assert b2.gated and b2.rows == "focus" and b2.readout_rank == 4
+    outs = [_gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=x, block_prefix_ids=pa[0], focus=tok,
+                                               focus_window=2), new=2) for x in (b, b2)]
+    torch.testing.assert_close(torch.stack(outs[0].logits), torch.stack(outs[1].logits))
+
+
+def test_gated_bridge_trains_from_focus_rows():
+    """A few distillation steps of a gated, focus-row bridge lower the loss from FocusRecompute's (its step 0)."""
+    from hf_kvreuse.latent.train import attach_focus_rows, batch_loss
+
+    from conftest import WordTokenizer
+
+    m = enable(tiny_model("llama", seed=3))
+    tok = WordTokenizer()
+    exs = []
+    for s in range(4):
+        pa, pb, blk, q = _parts(100 + s)
+        for side, (own, donor) in enumerate(((pb, pa), (pa, pb))):
+            ex = make_example(m, torch.cat([own, blk, q], 1) if own.shape == pb.shape else
+                              torch.cat([own, blk, q], 1), (own.shape[1], own.shape[1] + 30), donor[0],
+                              n_answer=3, top_k=8)
+            ex.meta.update(record=s, direction="a->b" if side == 0 else "b->a")
+            exs.append(ex)
+    attach_focus_rows(tok, exs, 6, window=2)
+    b = _gated(m, n=2)
+    with torch.no_grad():
+        focus = float(batch_loss(m, None, exs, 6, rows="focus"))
+        start = float(batch_loss(m, b, exs, 6, rows="focus"))
+    assert start == pytest.approx(focus, abs=1e-6)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(b.parameters(), lr=1e-2)
+    for _ in range(15):
+        loss = batch_loss(m, b, exs, 6, rows="focus")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(batch_loss(m, b, exs, 6, rows="focus")) < 0.9 * start

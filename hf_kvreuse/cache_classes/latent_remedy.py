@@ -14,6 +14,13 @@ For a prompt ``[target prefix][reused block(s)][suffix]``:
    latents included; then decoding. A bridge with a LoRA (``lora_rank > 0``, RestoreKV's variant) adapts the
    model's projections on the latent rows of that pass only.
 
+A gated bridge (``readout="gated"``, this project's variant) runs step 3 into scratch rows and keeps the latents
+out of the cache: step 4 runs at the prompt's own positions, and every row computed while the cache serves
+``generate`` (the recomputed block rows, the question, the answer) reads the latents' per-layer states through the
+bridge's zero-initialised cross-attention (:class:`~hf_kvreuse.latent.bridge.GatedReadout`), a hook that acts in
+the calling thread only and is removed when ``generate`` returns. Untrained, it is exactly the cache without
+latents.
+
 The cache physically holds ``n`` more entries than the prompt has tokens (``logical_offset = -n``); decoding
 positions are the physical ones (``before_forward``). When ``generate`` returns, the latent rows are removed and
 the later keys moved back by ``n`` (RoPE), so the returned cache is an ordinary cache of the conversation's
@@ -103,7 +110,7 @@ class LatentRemedyCache(BlockReuseCache):
         if bridge.d != model.config.hidden_size:
             raise ValueError(f"the bridge makes embeddings of size {bridge.d}; the model's hidden size is "
                              f"{model.config.hidden_size} (a bridge of another model?)")
-        if bridge.n_latent and not HAS_QUERY_OFFSET:
+        if bridge.n_latent and not bridge.gated and not HAS_QUERY_OFFSET:
             raise NotImplementedError(
                 f"LatentRemedyCache holds {bridge.n_latent} latent entries that are not prompt tokens; sizing the "
                 f"causal mask for them needs transformers>=5.17 (Cache.get_query_offset), this is "
@@ -115,6 +122,9 @@ class LatentRemedyCache(BlockReuseCache):
             raise TypeError(f"focus must be the model's tokenizer (with batch_decode), got {type(focus).__name__}")
         if focus_window < 0:
             raise ValueError(f"focus_window must be >= 0, got {focus_window}")
+        if bridge.rows == "focus" and focus is None:
+            raise ValueError("this LatentBridge was trained with focus rows recomputed beside its latents "
+                             "(rows='focus'): pass the model's tokenizer as focus=")
         super().__init__(model, input_ids, blocks, store, block_prefix_ids, fuse_first_step=fuse_first_step)
         if not self.blocks:
             raise ValueError("LatentRemedyCache needs at least one reused block")
@@ -130,13 +140,19 @@ class LatentRemedyCache(BlockReuseCache):
         self.bridge = bridge
         self.tail_tokens = tail_tokens
         self.focus, self.focus_window = focus, int(focus_window)
-        self.n_latent = bridge.n_latent if self.reused else 0
-        self.stats = LatentRemedyStats(blocks=len(self.blocks), latent_tokens=self.n_latent)
+        # latent rows held in the cache (a gated bridge's are read through its hook instead)
+        self.n_latent = bridge.n_latent if self.reused and not bridge.gated else 0
+        self.gated = bool(self.reused and bridge.gated)
+        self.stats = LatentRemedyStats(blocks=len(self.blocks),
+                                       latent_tokens=bridge.n_latent if self.reused else 0)
         self._latents_at: int | None = None
+        self._readout = None  # a gated bridge's hooks while the cache serves generate
 
     _shared_attrs = BlockReuseCache._shared_attrs + ("bridge",)
 
     def prepare(self, model, input_ids, generate_kwargs) -> None:
+        if self.gated:
+            return self._prepare_gated(model, input_ids, generate_kwargs)
         # n = 0 runs the same steps with no latent rows: direct reuse, computed in two passes (before / after e)
         self.begin_generate(model, input_ids, generate_kwargs)
         device = self.input_ids.device
@@ -186,6 +202,75 @@ class LatentRemedyCache(BlockReuseCache):
         else:
             latents_pass(False)
         st.assemble_s = now(device) - t0
+
+    def _prepare_gated(self, model, input_ids, generate_kwargs) -> None:
+        """A gated bridge: own prefix rows; the latents into scratch rows after the block, their per-layer states
+        kept; then the read-out hook on, and the recomputed block rows with the question (and, fused, the last
+        prompt token) in one pass at the prompt's own positions, as FocusRecompute / Tail-k compute them."""
+        import contextlib
+
+        from ..generation.fused import PendingRows
+        from ..local_hooks import local_hooks
+
+        self.begin_generate(model, input_ids, generate_kwargs)
+        device = self.input_ids.device
+        t0 = now(device)
+        self._pending = None
+        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
+        covered = self.input_ids.shape[1] - 1
+        with torch.no_grad():
+            storage = self.assemble_blocks(extra_rows=1 if fuse else 0)
+            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in storage] if fuse else storage
+            fresh = self.fresh_rows(covered).to(device)
+            e = self.blocks[-1][1]
+            tails = self.tail_rows().to(device)
+            pre, post = fresh[fresh < e], fresh[fresh >= e]
+            ids = self.input_ids[:, :covered]
+            feats = self.prefix_features(ids, pre, kv)
+            if self.bridge.donor:
+                feats = (feats, self.donor_features())
+            t1 = now(device)
+            states = self.latent_states(storage, e, feats)
+            rows = torch.unique(torch.cat([tails, post]))
+        stack = contextlib.ExitStack()
+        try:
+            hooks = stack.enter_context(local_hooks())  # this context only, until generate returns
+            self.bridge.readout_hooks(hooks, self.model, states)
+            with torch.no_grad():
+                if fuse:
+                    pending = PendingRows(storage, rows, self.input_ids)
+                    kv = pending.visible()
+                    self._pending = pending
+                elif rows.numel():
+                    partial_forward(self.model, ids, rows, kv)
+        except BaseException:
+            stack.close()
+            raise
+        self._readout = stack
+        load_kv(self, kv)
+        st = self.stats
+        st.bridge_s = now(device) - t1
+        st.recomputed_tokens = int(torch.unique(torch.cat([fresh, tails])).numel()) + \
+            getattr(self, "_lead_rows_computed", 0)
+        st.reused_tokens = covered - st.recomputed_tokens
+        st.fused_first_step = fuse
+        st.assemble_s = now(device) - t0
+
+    def latent_states(self, storage: KV, e: int, feats) -> list[torch.Tensor]:
+        """Run the gated bridge's latents at positions ``e .. e+n-1`` after the prefix and the reused block(s)
+        (rows ``0 .. e-1`` of ``storage``); their states after every decoder layer (``[1, n, d]`` each). Their
+        K/V go to scratch: rows ``e ..`` of ``storage`` where the prompt has ``n`` rows after the block (the
+        question's rows, computed afterwards), else a copy of rows ``0 .. e-1`` with ``n`` more."""
+        n = self.bridge.n_latent
+        z = self.latent_embeddings(feats)
+        scratch = storage if storage[0][0].shape[-2] >= e + n else \
+            [(torch.cat([k[..., :e, :], k.new_zeros(*k.shape[:-2], n, k.shape[-1])], -2),
+              torch.cat([v[..., :e, :], v.new_zeros(*v.shape[:-2], n, v.shape[-1])], -2)) for k, v in storage]
+        ids = self.input_ids.new_zeros(1, scratch[0][0].shape[-2])
+        rows = torch.arange(e, e + n, device=ids.device)
+        with self.bridge.capture_states(self.model) as states:
+            partial_forward(self.model, ids, rows, scratch, layers=range(len(storage)), hidden_states=z)
+        return [s.detach() for s in states]
 
     def tail_rows(self) -> torch.Tensor:
         """The ``tail_tokens`` rows of every reused block recomputed with the latents: its last ones, or with
@@ -319,6 +404,9 @@ class LatentRemedyCache(BlockReuseCache):
         return next_sequence_length, {"position_ids": pos, "attention_mask": None}
 
     def end_generate(self, sequences, error) -> None:
+        if self._readout is not None:  # a gated bridge's hooks end with the generate they served
+            stack, self._readout = self._readout, None
+            stack.close()
         if error is None and sequences is not None and self.n_latent and self._latents_at is not None:
             self.drop_latents()
         super().end_generate(sequences, error)

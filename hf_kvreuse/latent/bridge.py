@@ -20,6 +20,17 @@ default the attention's ``q/k/v/o``) in every decoder layer, **active on the lat
 returned cache are the model's; only the latents' K/V, and through them what later rows read, change. ``B``
 starts at zero: an untrained LoRA is a no-op (tested).
 
+``readout="gated"`` (this project's variant, not in the paper) keeps the latents out of the model's own attention:
+they still run after the block (positions ``e .. e+n-1``, attending to the prefix and the reused block), but the
+other rows read them through a small cross-attention added to the residual stream after every decoder layer
+(:class:`GatedReadout`, Flamingo-style gated cross-attention, arXiv 2204.14198), whose output projection starts at
+zero. An untrained gated bridge therefore changes nothing: the cache is exactly the one without latents (direct
+reuse, or the focus / tail rows it recomputes), and training can only add to it. The read-out acts on every row
+computed while the cache serves ``generate`` (the recomputed rows, the question, the answer).
+
+``rows="focus"`` records that the bridge was trained with FocusRecompute's rows recomputed beside the latents
+(the cache then needs the tokenizer as ``focus=``); ``"tail"`` with the block's last ``tail_tokens`` rows.
+
 ``donor=True`` (an ablation, not in the paper) also reads the prefix the reused block was computed under
 (the donor agent's instructions), with the same read-out, and feeds both to the MLP: the block's K/V carry the
 donor's focus, and a bridge that sees only the target's own prefix cannot know which focus it has to undo.
@@ -38,8 +49,8 @@ from torch import nn
 from ..local_hooks import local_hooks
 
 FORMAT = "hf_kvreuse.LatentBridge"
-VERSION = 4
-READABLE = (1, 2, 3, 4)  # version 1: one layer, last row, no tail; 2: no LoRA; 3: no donor read-out
+VERSION = 5
+READABLE = (1, 2, 3, 4, 5)  # version 1: one layer, last row, no tail; 2: no LoRA; 3: no donor read-out; 4: tokens
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -77,11 +88,20 @@ class LatentBridge(nn.Module):
         Also read the donor's prefix (the tokens the reused block was computed after) the same way; the MLP sees
         both read-outs. The cache reads the donor prefix of the last reused block (``block_prefix_ids``) and refuses
         a last block computed standalone.
+    readout : {"tokens", "gated"}, default="tokens"
+        ``"tokens"``: the latents are rows of the cache that later rows attend to (the paper's); ``"gated"``: they
+        are read through a zero-initialised :class:`GatedReadout` (an untrained bridge changes nothing).
+    readout_rank : int, default=32
+        Width of the gated read-out's query / key / value projections.
+    rows : {"tail", "focus"}, default="tail"
+        Which block rows the bridge was trained to run with (``tail_tokens`` of them): the block's last rows, or
+        FocusRecompute's focus rows first (the cache then needs ``focus=tokenizer``).
     """
 
     def __init__(self, model, n_latent: int = 8, hidden: int = 256, hidden_layer: int = -1,
                  layers: tuple[int, ...] | None = None, read: str = "last", tail_tokens: int = 0,
-                 lora_rank: int = 0, lora_modules: tuple[str, ...] = LORA_MODULES, donor: bool = False):
+                 lora_rank: int = 0, lora_modules: tuple[str, ...] = LORA_MODULES, donor: bool = False,
+                 readout: str = "tokens", readout_rank: int = 32, rows: str = "tail"):
         super().__init__()
         from ..translation.mapper import model_identity
 
@@ -94,6 +114,12 @@ class LatentBridge(nn.Module):
             raise ValueError(f"hidden_layer / layers must be distinct values of -1 or [0, {n_layers}), got {layers}")
         if read not in ("last", "attn"):
             raise ValueError(f"read must be 'last' or 'attn', got {read!r}")
+        if readout not in ("tokens", "gated") or rows not in ("tail", "focus"):
+            raise ValueError(f"readout must be 'tokens' or 'gated' and rows 'tail' or 'focus', got {readout!r} and "
+                             f"{rows!r}")
+        if readout == "gated" and (lora_rank or readout_rank < 1):
+            raise ValueError("a gated read-out needs readout_rank >= 1 and no LoRA (the latents' rows are not the "
+                             "other rows' keys, so a LoRA on them has nothing to adapt)")
         d = model.config.hidden_size
         self.n_latent, self.hidden, self.d = n_latent, hidden, d
         self.layers, self.read, self.tail_tokens, self.donor = layers, read, tail_tokens, bool(donor)
@@ -118,7 +144,15 @@ class LatentBridge(nn.Module):
                 a = torch.randn(self.lora_rank, lin.in_features, generator=gen) / lin.in_features ** 0.5
                 self.lora[f"{key}-a"] = nn.Parameter(a)
                 self.lora[f"{key}-b"] = nn.Parameter(torch.zeros(lin.out_features, self.lora_rank))
+        self.readout, self.rows = readout, rows
+        self.readout_rank = int(readout_rank) if readout == "gated" else 0
+        self.gate = GatedReadout(n_layers, d, self.readout_rank) if readout == "gated" and n_latent else None
         self.info: dict = {}
+
+    @property
+    def gated(self) -> bool:
+        """Whether the latents are read through the gated cross-attention (not as cache rows)."""
+        return self.gate is not None
 
     @property
     def all_rows(self) -> bool:
@@ -213,6 +247,48 @@ class LatentBridge(nn.Module):
                 hooks.forward(lin, make(self.lora[f"{key}-a"], self.lora[f"{key}-b"]))
             yield
 
+    @contextlib.contextmanager
+    def capture_states(self, model):
+        """Within the block, every decoder layer's output (the residual stream, ``[B, T, d]``) is appended to the
+        yielded list, in the calling context only: run the latent rows there to get what :meth:`readout_active`
+        reads."""
+        from ..generation.partial import _decoder
+
+        states: list[torch.Tensor] = []
+
+        def grab(mod, inp, out):
+            states.append(out[0] if isinstance(out, tuple) else out)
+        with local_hooks() as hooks:
+            for layer in _decoder(model).layers:
+                hooks.forward(layer, grab)
+            yield states
+
+    def readout_hooks(self, hooks, model, states: list[torch.Tensor]) -> None:
+        """Register, on ``hooks`` (a :class:`~hf_kvreuse.local_hooks.LocalHooks`), the gated read-out of the latent
+        rows' per-layer states ``states`` (``[B, n, d]`` each) after every decoder layer of ``model``."""
+        from ..generation.partial import _decoder
+
+        layers = _decoder(model).layers
+        if len(states) != len(layers):
+            raise RuntimeError(f"{len(states)} latent states for {len(layers)} decoder layers")
+
+        def make(i):
+            def hook(mod, inp, out):
+                h = out[0] if isinstance(out, tuple) else out
+                h2 = self.gate(i, h, states[i].to(h.device))
+                return (h2,) + tuple(out[1:]) if isinstance(out, tuple) else h2
+            return hook
+        for i, layer in enumerate(layers):
+            hooks.forward(layer, make(i))
+
+    @contextlib.contextmanager
+    def readout_active(self, model, states: list[torch.Tensor]):
+        """Within the block (the calling context only), every decoder layer's output rows read the latents through
+        the gated read-out."""
+        with local_hooks() as hooks:
+            self.readout_hooks(hooks, model, states)
+            yield
+
     # -- persistence: safetensors + JSON ----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
         """``path/bridge.safetensors`` + ``path/bridge.json`` (the model's identity and the tensor file's sha256
@@ -222,7 +298,8 @@ class LatentBridge(nn.Module):
         meta = {"format": FORMAT, "version": VERSION, "n_latent": self.n_latent, "hidden": self.hidden,
                 "hidden_layer": self.hidden_layer, "layers": list(self.layers), "read": self.read,
                 "tail_tokens": self.tail_tokens, "lora_rank": self.lora_rank, "lora_modules": list(self.lora_modules),
-                "donor": self.donor,
+                "donor": self.donor, "readout": self.readout, "readout_rank": self.readout_rank or 32,
+                "rows": self.rows,
                 "d": self.d, "identity": self.identity, "info": self.info}
         return write_artifact(path, "bridge", {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, meta)
 
@@ -246,7 +323,8 @@ class LatentBridge(nn.Module):
                 "hf_kvreuse.latent.train")
         bridge = cls(model, meta["n_latent"], meta["hidden"], meta["hidden_layer"], meta.get("layers"),
                      meta.get("read", "last"), meta.get("tail_tokens", 0), meta.get("lora_rank", 0),
-                     tuple(meta.get("lora_modules", LORA_MODULES)), bool(meta.get("donor", False)))
+                     tuple(meta.get("lora_modules", LORA_MODULES)), bool(meta.get("donor", False)),
+                     meta.get("readout", "tokens"), int(meta.get("readout_rank", 32)), meta.get("rows", "tail"))
         state, meta = read_artifact(path, "bridge", "LatentBridge")  # sha256 and finite values verified
         want = bridge.state_dict()
         if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
@@ -276,7 +354,44 @@ class LatentBridge(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"n_latent={self.n_latent}, hidden={self.hidden}, layers={self.layers}, read={self.read}, "
-                f"tail_tokens={self.tail_tokens}, lora_rank={self.lora_rank}, donor={self.donor}, d={self.d}")
+                f"tail_tokens={self.tail_tokens}, lora_rank={self.lora_rank}, donor={self.donor}, readout={self.readout}, "
+                f"rows={self.rows}, d={self.d}")
+
+
+class GatedReadout(nn.Module):
+    """Per decoder layer ``l``, rows ``h`` ``[B, T, d]`` read the latent rows' states ``z`` ``[B, n, d]`` (both at
+    the layer's output) through a rank-``r`` attention, added to the residual stream:
+
+    ``h' = h + |h|/sqrt(d) * O_l softmax(Q_l u K_l w^T / sqrt(r)) V_l w``, ``u = unit(h)``, ``w = unit(z)``
+
+    (``unit`` scales a row to norm ``sqrt(d)``: the read-out is relative to the row's own scale). ``O_l`` starts at
+    zero, so the untrained read-out adds exactly nothing and its first gradient reaches ``O_l`` (LoRA's ``B = 0``
+    start); the query / key / value projections start random.
+    """
+
+    def __init__(self, n_layers: int, d: int, rank: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.d, self.rank = d, rank
+        self.q = nn.Parameter(torch.randn(n_layers, rank, d, generator=gen) / d ** 0.5)
+        self.k = nn.Parameter(torch.randn(n_layers, rank, d, generator=gen) / d ** 0.5)
+        self.v = nn.Parameter(torch.randn(n_layers, rank, d, generator=gen) / d ** 0.5)
+        self.o = nn.Parameter(torch.zeros(n_layers, d, rank))
+
+    def forward(self, layer: int, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if z.shape[0] != h.shape[0]:
+            raise RuntimeError(f"latent states of batch {z.shape[0]} for rows of batch {h.shape[0]}")
+        hf, zf = h.float(), z.float()
+        norm = hf.norm(dim=-1, keepdim=True)
+        u = hf / norm.clamp_min(1e-6) * self.d ** 0.5
+        w = zf / zf.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.d ** 0.5
+        q, k, v = u @ self.q[layer].t(), w @ self.k[layer].t(), w @ self.v[layer].t()
+        a = torch.softmax(q @ k.transpose(-1, -2) / self.rank ** 0.5, dim=-1)
+        out = (a @ v) @ self.o[layer].t()
+        return h + (out * norm / self.d ** 0.5).to(h.dtype)
+
+    def extra_repr(self) -> str:
+        return f"layers={self.q.shape[0]}, d={self.d}, rank={self.rank}"
 
 
 class _LoRAParams(nn.ParameterDict):

@@ -173,6 +173,114 @@ def student_logits_batch(model, bridge: LatentBridge | None, exs: list[Example],
     return out
 
 
+def attach_focus_rows(tokenizer, exs: list[Example], k: int, window: int = 8) -> None:
+    """Store in each example's ``meta["rows"]`` the ``k`` block rows FocusRecompute would recompute (focus rows
+    against the donor prefix, then the tail; absolute indices), as
+    :class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` with ``focus=`` chooses them. The donor
+    prefix of ``X -> Y`` is the own prefix of ``Y -> X`` (a record's two directions share a shard)."""
+    from ..focus import focus_then_tail
+
+    by_key = {(ex.meta.get("record"), ex.meta.get("direction")): ex for ex in exs}
+    for ex in exs:
+        src, _, tgt = str(ex.meta.get("direction", "")).partition("->")
+        other = by_key.get((ex.meta.get("record"), f"{tgt}->{src}"))
+        if other is None or ex.ids is None:
+            raise ValueError(f"example {ex.meta.get('record')} {ex.meta.get('direction')}: no paired direction "
+                             "(the donor prefix) to choose focus rows against")
+        ids = ex.ids[0].tolist()
+        rel, _ = focus_then_tail(tokenizer, ids[ex.s: ex.e], ids[: ex.s], other.ids[0, : other.s].tolist(), k,
+                                 window)
+        ex.meta["rows"] = (rel + ex.s).tolist()
+
+
+def recompute_rows(ex: Example, k: int, kind: str) -> torch.Tensor:
+    """The block rows recomputed with the latents: the last ``k`` (``"tail"``) or :func:`attach_focus_rows`'."""
+    if kind == "focus":
+        if "rows" not in ex.meta:
+            raise ValueError("focus rows were not attached to the examples (attach_focus_rows)")
+        return torch.tensor(ex.meta["rows"], dtype=torch.long)
+    return torch.arange(ex.e - min(k, ex.e - max(ex.s, 1)), ex.e)
+
+
+def _mask4d(row_pos: torch.Tensor, col_pos: torch.Tensor, col_valid: torch.Tensor, dtype) -> torch.Tensor:
+    """``[B, 1, T, C]`` additive mask: row ``j`` sees column ``i`` iff it is valid and ``pos[i] <= pos[j]``."""
+    ok = col_valid[:, None, :] & (col_pos[:, None, :] <= row_pos[:, :, None])
+    return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, torch.finfo(dtype).min)[:, None]
+
+
+def student_logits_gated(model, bridge: LatentBridge | None, exs: list[Example],
+                         rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The student of a gated bridge (or ``bridge=None``: the recomputed rows alone, i.e. FocusRecompute /
+    Tail-k teacher-forced) in two padded forwards, differentiable in the bridge, as
+    :class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` computes it:
+
+    1. the latents at positions ``e .. e+n-1`` after the prefix and the reused block (their states after every
+       decoder layer kept);
+    2. the recomputed block rows ``rows[i]`` (their stale entries hidden), the question and the answer at their own
+       positions, every row reading the latents through the bridge's read-out.
+
+    Rows see columns by position (``pos[col] <= pos[row]``), as :func:`~hf_kvreuse.generation.partial.
+    partial_forward` orders them; each example keeps its own positions (cached rows left-padded, input rows
+    right-padded)."""
+    from transformers import DynamicCache
+
+    from ..compat import cache_kwargs
+    from ..kv import load_kv
+
+    p = next(model.parameters())
+    emb = model.get_input_embeddings()
+    B, C = len(exs), max(ex.e for ex in exs)
+    kv, cpos, cvalid = [], torch.zeros(B, C, dtype=torch.long), torch.zeros(B, C, dtype=torch.bool)
+    for i, ex in enumerate(exs):
+        cpos[i, C - ex.e:] = torch.arange(ex.e)
+        cvalid[i, C - ex.e:] = True
+    for layer in range(len(exs[0].kv)):
+        ks, vs = [], []
+        for ex in exs:
+            k_, v_ = (t[..., : ex.e, :].to(device=p.device, dtype=p.dtype) for t in ex.kv[layer])
+            pad = k_.new_zeros(*k_.shape[:-2], C - ex.e, k_.shape[-1])
+            ks.append(torch.cat([pad, k_], -2))
+            vs.append(torch.cat([pad, v_], -2))
+        kv.append((torch.cat(ks, 0), torch.cat(vs, 0)))
+    gated = bridge is not None and bridge.gated
+    states = None
+    if gated:
+        z = bridge.latents(exs).to(device=p.device, dtype=p.dtype)
+        n = z.shape[1]
+        zpos = torch.stack([torch.arange(ex.e, ex.e + n) for ex in exs])
+        mask = _mask4d(zpos, torch.cat([cpos, zpos], 1), torch.cat([cvalid, torch.ones(B, n, dtype=torch.bool)], 1),
+                       p.dtype)
+        with bridge.capture_states(model) as states:
+            model.model(inputs_embeds=z, position_ids=zpos.to(p.device), attention_mask=mask.to(p.device),
+                        use_cache=True, **cache_kwargs(load_kv(DynamicCache(config=model.config), list(kv))))
+    inputs, poss = [], []
+    for ex, r in zip(exs, rows):
+        r = r.to(torch.long)
+        inputs.append(torch.cat([emb(ex.ids[:, r].to(p.device)), emb(ex.tail_ids.to(p.device))], 1))
+        poss.append(torch.cat([r, torch.arange(ex.e, ex.e + ex.tail_ids.shape[1])]))
+    T = max(x.shape[1] for x in inputs)
+    x = inputs[0].new_zeros(B, T, inputs[0].shape[-1])
+    pos = torch.zeros(B, T, dtype=torch.long)
+    ivalid = torch.zeros(B, T, dtype=torch.bool)
+    cvalid_b = cvalid.clone()
+    for i, (ex, r, xi, pi) in enumerate(zip(exs, rows, inputs, poss)):
+        x[i, : xi.shape[1]] = xi[0]
+        pos[i, : xi.shape[1]] = pi
+        pos[i, xi.shape[1]:] = pi[-1] + 1 + torch.arange(T - xi.shape[1])
+        ivalid[i, : xi.shape[1]] = True
+        cvalid_b[i, C - ex.e + r.to(torch.long)] = False  # recomputed rows: their stale entries are hidden
+    mask = _mask4d(pos, torch.cat([cpos, pos], 1), torch.cat([cvalid_b, ivalid], 1), p.dtype)
+    cache = load_kv(DynamicCache(config=model.config), list(kv))
+    with bridge.readout_active(model, states) if gated else contextlib.nullcontext():
+        hidden = model.model(inputs_embeds=x, position_ids=pos.to(p.device), attention_mask=mask.to(p.device),
+                             use_cache=True, **cache_kwargs(cache)).last_hidden_state
+    out = []
+    for i, (ex, r) in enumerate(zip(exs, rows)):
+        start = r.numel() + ex.first
+        out.append(model.lm_head(hidden[i, start: start + ex.top_idx.shape[0]]))
+    return out
+
+
 def kl_top_k(logits: torch.Tensor, ex: Example, first_only: bool = False) -> torch.Tensor:
     """KL(teacher || student) over the teacher's top-k support (renormalised), averaged over the positions."""
     if first_only:
@@ -190,9 +298,15 @@ def student_loss(model, bridge: LatentBridge, ex: Example, first_only: bool = Fa
 
 
 def batch_loss(model, bridge, exs: list[Example], tail_k: int = 0, z=None, first_only: bool = False,
-               per_example: bool = False):
-    """Mean (or per-example) :func:`kl_top_k` of a batch, in one padded forward."""
-    logits = student_logits_batch(model, bridge, exs, tail_k=tail_k, z=z)
+               per_example: bool = False, rows: str = "tail"):
+    """Mean (or per-example) :func:`kl_top_k` of a batch, in one padded forward (a gated bridge, or
+    ``rows="focus"``: :func:`student_logits_gated`)."""
+    if (bridge is not None and bridge.gated) or rows == "focus":
+        if z is not None:
+            raise ValueError("free latents (stage 1) are for bridges whose latents are cache rows")
+        logits = student_logits_gated(model, bridge, exs, [recompute_rows(ex, tail_k, rows) for ex in exs])
+    else:
+        logits = student_logits_batch(model, bridge, exs, tail_k=tail_k, z=z)
     losses = torch.stack([kl_top_k(lg, ex, first_only) for lg, ex in zip(logits, exs)])
     return losses if per_example else losses.mean()
 
@@ -234,7 +348,10 @@ class TrainConfig:
     tail_tokens: int = 0                # latents plus Tail-k: block rows recomputed with the latents
     lora_rank: int = 0                  # RestoreKV's bridge: a LoRA active on the latent rows (0: none)
     lora_lr: float = 1e-3               # its stage-3 learning rate
-    donor: bool = False                 # the bridge also reads the donor's prefix (an issue-25 ablation)
+    donor: bool = False                 # the bridge also reads the donor's prefix (an ablation)
+    readout: str = "tokens"             # "gated": latents read through the zero-initialised cross-attention
+    readout_rank: int = 32
+    rows: str = "tail"                  # "focus": FocusRecompute's rows recomputed beside the latents
     lr: float = 2e-3                    # stage 3 (distillation) AdamW
     batch: int = 8
     loss: str = "continuation"          # or "first": only the first answer token
@@ -303,14 +420,18 @@ def regress(bridge: LatentBridge, exs: list[Example], z: torch.Tensor, cfg: Trai
 
 
 @torch.no_grad()
-def evaluate_rows(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8) -> list[dict]:
+def evaluate_rows(model, bridge: LatentBridge | None, exs: list[Example], tail_k: int = 0, batch: int = 8,
+                  rows: str = "tail") -> list[dict]:
     """Per example, teacher-forced (no generation): ``agree`` = the student's argmax equals the teacher's answer
     at every supervised position (its greedy answer would be the full prefill's), ``ok`` = agree and the teacher is
     right, ``reuse_ok`` the same for direct reuse (stored with the example), ``kl`` the loss."""
     rows = []
     for i in range(0, len(exs), batch):
         chunk = exs[i: i + batch]
-        logits = student_logits_batch(model, bridge, chunk, tail_k=tail_k)
+        if (bridge is not None and bridge.gated) or rows == "focus":
+            logits = student_logits_gated(model, bridge, chunk, [recompute_rows(ex, tail_k, rows) for ex in chunk])
+        else:
+            logits = student_logits_batch(model, bridge, chunk, tail_k=tail_k)
         for lg, ex in zip(logits, chunk):
             agree = bool((lg.argmax(-1) == ex.top_idx[:, 0]).all())
             full_ok = bool(ex.meta.get("full_ok", True))
@@ -362,7 +483,8 @@ def _initial_bridge(model, out: Path, cfg: TrainConfig, conf: dict, state_path: 
             raise ValueError(f"{out} holds a run with another configuration ({old}); use another --out")
         return LatentBridge.load(out, model)
     return LatentBridge(model, cfg.n_latent, cfg.hidden, layers=tuple(cfg.layers), read=cfg.read,
-                        tail_tokens=cfg.tail_tokens, lora_rank=cfg.lora_rank, donor=cfg.donor)
+                        tail_tokens=cfg.tail_tokens, lora_rank=cfg.lora_rank, donor=cfg.donor, readout=cfg.readout,
+                        readout_rank=cfg.readout_rank, rows=cfg.rows)
 
 
 def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, progress: bool = True,
@@ -447,7 +569,7 @@ def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, 
         perm = list(range(len(data)))
         random.Random(cfg.seed * 7919 + epoch).shuffle(perm)
         exs = [data[j] for j in perm[pos * cfg.batch: (pos + 1) * cfg.batch]]
-        loss = batch_loss(model, bridge, exs, cfg.tail_tokens, first_only=cfg.loss == "first")
+        loss = batch_loss(model, bridge, exs, cfg.tail_tokens, first_only=cfg.loss == "first", rows=cfg.rows)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(bridge.parameters(), 1.0)
@@ -491,6 +613,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", default=f.default)
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
+    p.add_argument("--focus-window", type=int, default=8, help="with --rows focus: FocusRecompute's window")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compare", nargs="*", default=[],
                    help="NAME=PATH (or shipped): other bridges evaluated on the dev shards too (e.g. the shipped one)")
@@ -500,7 +623,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(argv, model=None, loaded: dict | None = None) -> dict:
+def run(argv, model=None, loaded: dict | None = None, tokenizer=None) -> dict:
     """One training command (see :func:`main`); ``model`` and ``loaded`` (data folder -> examples) may be shared
     by several runs in one process (``research/latent/latent_ablations_threads.py``: one model copy in memory)."""
     from .example import load_examples
@@ -520,6 +643,14 @@ def run(argv, model=None, loaded: dict | None = None) -> dict:
     if key not in loaded:
         loaded[key] = load_examples(a.data, a.families, a.max_per_family)
     data = loaded[key]
+    if cfg.rows == "focus":
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from ..models.loaders import model_path
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path(a.model))
+        attach_focus_rows(tokenizer, data, cfg.tail_tokens, a.focus_window)
     t0 = time.perf_counter()
     bridge = train_staged(model, data, a.out, cfg, progress=len(loaded) <= 1, stop_at=a.stop_at_wall)
     wall = time.perf_counter() - t0
@@ -530,10 +661,14 @@ def run(argv, model=None, loaded: dict | None = None) -> dict:
         if a.dev not in loaded:
             loaded[a.dev] = load_examples(a.dev)
         dev = loaded[a.dev]
+        if cfg.rows == "focus":
+            attach_focus_rows(tokenizer, dev, cfg.tail_tokens, a.focus_window)
         c0 = _cpu()
         # per example and variant, so that a table can pair them (Newcombe intervals of paired differences)
-        rows = {"bridge": evaluate_rows(model, bridge, dev, cfg.tail_tokens, cfg.batch),
+        rows = {"bridge": evaluate_rows(model, bridge, dev, cfg.tail_tokens, cfg.batch, cfg.rows),
                 "reuse": evaluate_rows(model, None, dev, 0, cfg.batch)}
+        if cfg.rows == "focus":  # the rows alone, no latents: what the bridge must add to
+            rows[f"focus{cfg.tail_tokens}"] = evaluate_rows(model, None, dev, cfg.tail_tokens, cfg.batch, "focus")
         if cfg.tail_tokens:
             rows[f"tail{cfg.tail_tokens}"] = evaluate_rows(model, None, dev, cfg.tail_tokens, cfg.batch)
         if a.baseline_tail and f"tail{a.baseline_tail}" not in rows:
