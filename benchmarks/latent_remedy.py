@@ -14,7 +14,8 @@ the block K/V that agent X computed under its own prefix), greedy answers of age
   it was trained with (``bridge.tail_tokens``: 0 for the checkpoints before 2026-12-02, 16 for the shipped one);
 * ``latent_tail16``: the same bridge plus Tail-16 (the block's last 16 rows recomputed with the latents);
 * ``latent_focus16``: the same bridge, its 16 recomputed rows chosen as ``focus16`` chooses them (``focus=tok``);
-* ``--extra-bridges NAME=PATH``: more LatentRemedy variants (each with the tail its bridge was trained with).
+* ``--extra-bridges NAME=PATH``: more LatentRemedy variants (each with the rows its bridge was trained with: its
+  tail, or focus rows for a bridge trained with them).
 
 TTFT (streamer timestamps; the donor's block K/V are in the chunk store beforehand, as in the harness) is reported
 as the median ratio to direct reuse. Accuracy has Wilson 95% intervals; "recovered" is the share of the accuracy
@@ -148,7 +149,8 @@ def main(argv=None) -> None:
                                  model, torch.tensor([use_ids]), [use_span], bridge=bridge, tail_tokens=16, focus=tok,
                                  **kw),
                              **{k: (lambda b=b: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span], bridge=b,
-                                                                 **kw)) for k, b in extra.items()}}[method]()
+                                                                 focus=tok if b.rows == "focus" else None, **kw))
+                                for k, b in extra.items()}}[method]()
                     ans, ttft = run(model, tok, use_ids, cache, a.max_new_tokens)
                     rows.append({"family": fam, "record": r_i, "direction": f"{src}->{tgt}", "method": method,
                                  "answer": ans, "ok": is_correct(ans, rec.gold(tgt)), "agree_full": ans == full[tgt],
@@ -161,7 +163,8 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/latent_remedy.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "args": vars(a), "bridge": None if bridge is None else {"n_latent": bridge.n_latent, **bridge.info},
-            "extra_bridges": {k: {"n_latent": b.n_latent, "tail_tokens": b.tail_tokens, **b.info} for k, b in extra.items()},
+            "extra_bridges": {k: {"n_latent": b.n_latent, "tail_tokens": b.tail_tokens, "readout": b.readout,
+                                  "rows": b.rows, **b.info} for k, b in extra.items()},
             "date": time.strftime("%Y-%m-%d %H:%M")}
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))
