@@ -924,3 +924,28 @@ def test_gated_bridge_trains_from_focus_rows():
         opt.step()
     with torch.no_grad():
         assert float(batch_loss(m, b, exs, 6, rows="focus")) < 0.9 * start
+
+
+@needs_offset
+def test_token_latents_with_focus_rows_cache_equals_trainer(model):
+    """A bridge whose latents are cache rows, trained with focus rows: the trainer's student (one forward, latents
+    at ``e ..``, the question shifted by ``n``) gives the cache's first-token logits. Planted bug: the question's
+    positions not shifted by ``n`` in the student (`shift` left 0 in the positions) -> fails."""
+    from hf_kvreuse.latent.train import attach_focus_rows, recompute_rows, student_logits_gated
+
+    tok, pa, ids = _focus_case()
+    torch.manual_seed(3)
+    bridge = LatentBridge(model, n_latent=3, hidden=16, tail_tokens=6, rows="focus")
+    with torch.no_grad():
+        for p in bridge.mlp.parameters():
+            p.normal_(0, 0.3)
+    out = _gen(model, ids, LatentRemedyCache(model, ids, [(9, 39)], bridge=bridge, block_prefix_ids=pa[0], focus=tok,
+                                             focus_window=2), new=1)
+    ex = make_example(model, ids, (9, 39), pa[0], n_answer=3, top_k=8)
+    other = make_example(model, torch.cat([pa, ids[:, 9:]], 1), (9, 39), ids[0, :9], n_answer=3, top_k=8)
+    ex.meta.update(record=0, direction="a->b")
+    other.meta.update(record=0, direction="b->a")
+    attach_focus_rows(tok, [ex, other], 6, window=2)
+    with torch.no_grad():
+        s = student_logits_gated(model, bridge, [other, ex], [recompute_rows(e, 6, "focus") for e in (other, ex)])
+    torch.testing.assert_close(s[1][0], out.logits[0][0], atol=2e-4, rtol=2e-4)

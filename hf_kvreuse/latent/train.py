@@ -210,14 +210,16 @@ def _mask4d(row_pos: torch.Tensor, col_pos: torch.Tensor, col_valid: torch.Tenso
 
 def student_logits_gated(model, bridge: LatentBridge | None, exs: list[Example],
                          rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The student of a gated bridge (or ``bridge=None``: the recomputed rows alone, i.e. FocusRecompute /
-    Tail-k teacher-forced) in two padded forwards, differentiable in the bridge, as
-    :class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` computes it:
+    """The student with arbitrary recomputed block rows ``rows[i]`` (focus rows, or a tail), differentiable in the
+    bridge, as :class:`~hf_kvreuse.cache_classes.latent_remedy.LatentRemedyCache` computes it:
 
-    1. the latents at positions ``e .. e+n-1`` after the prefix and the reused block (their states after every
-       decoder layer kept);
-    2. the recomputed block rows ``rows[i]`` (their stale entries hidden), the question and the answer at their own
-       positions, every row reading the latents through the bridge's read-out.
+    * a gated bridge, in two padded forwards: (1) the latents at positions ``e .. e+n-1`` after the prefix and the
+      reused block (their states after every decoder layer kept); (2) the recomputed rows (their stale entries
+      hidden), the question and the answer at their own positions, every row reading the latents through the
+      bridge's read-out;
+    * a bridge whose latents are rows: one forward over the recomputed rows, the latents (positions
+      ``e .. e+n-1``) and the question and answer (positions shifted by ``n``);
+    * ``bridge=None``: the recomputed rows alone (FocusRecompute / Tail-k, teacher-forced).
 
     Rows see columns by position (``pos[col] <= pos[row]``), as :func:`~hf_kvreuse.generation.partial.
     partial_forward` orders them; each example keeps its own positions (cached rows left-padded, input rows
@@ -253,11 +255,18 @@ def student_logits_gated(model, bridge: LatentBridge | None, exs: list[Example],
         with bridge.capture_states(model) as states:
             model.model(inputs_embeds=z, position_ids=zpos.to(p.device), attention_mask=mask.to(p.device),
                         use_cache=True, **cache_kwargs(load_kv(DynamicCache(config=model.config), list(kv))))
+    as_rows = bridge is not None and not gated and bridge.n_latent  # the latents are rows of this forward
+    if as_rows and bridge.lora_rank:
+        raise ValueError("a LoRA bridge with arbitrary recomputed rows is not supported by this student")
+    zr = bridge.latents(exs).to(device=p.device, dtype=p.dtype) if as_rows else None
+    shift = zr.shape[1] if as_rows else 0
     inputs, poss = [], []
-    for ex, r in zip(exs, rows):
+    for i, (ex, r) in enumerate(zip(exs, rows)):
         r = r.to(torch.long)
-        inputs.append(torch.cat([emb(ex.ids[:, r].to(p.device)), emb(ex.tail_ids.to(p.device))], 1))
-        poss.append(torch.cat([r, torch.arange(ex.e, ex.e + ex.tail_ids.shape[1])]))
+        parts = [emb(ex.ids[:, r].to(p.device))] + ([zr[i: i + 1]] if as_rows else []) + \
+            [emb(ex.tail_ids.to(p.device))]
+        inputs.append(torch.cat(parts, 1))
+        poss.append(torch.cat([r, torch.arange(ex.e, ex.e + shift + ex.tail_ids.shape[1])]))
     T = max(x.shape[1] for x in inputs)
     x = inputs[0].new_zeros(B, T, inputs[0].shape[-1])
     pos = torch.zeros(B, T, dtype=torch.long)
@@ -276,7 +285,7 @@ def student_logits_gated(model, bridge: LatentBridge | None, exs: list[Example],
                              use_cache=True, **cache_kwargs(cache)).last_hidden_state
     out = []
     for i, (ex, r) in enumerate(zip(exs, rows)):
-        start = r.numel() + ex.first
+        start = r.numel() + shift + ex.first
         out.append(model.lm_head(hidden[i, start: start + ex.top_idx.shape[0]]))
     return out
 
