@@ -360,6 +360,7 @@ class TrainConfig:
     donor: bool = False                 # the bridge also reads the donor's prefix (an ablation)
     readout: str = "tokens"             # "gated": latents read through the zero-initialised cross-attention
     readout_rank: int = 32
+    readout_lr: float = 2e-4            # the gated read-out's AdamW rate (its first steps move every weight by ~lr)
     rows: str = "tail"                  # "focus": FocusRecompute's rows recomputed beside the latents
     lr: float = 2e-3                    # stage 3 (distillation) AdamW
     batch: int = 8
@@ -564,8 +565,10 @@ def train_staged(model, data: list[Example], out: str | Path, cfg: TrainConfig, 
         state["stage"] = 3
         _save_state(out, bridge, None, state)
     lora = [prm for name, prm in bridge.named_parameters() if name.startswith("lora.")]
-    rest = [prm for name, prm in bridge.named_parameters() if not name.startswith("lora.")]
-    groups = [{"params": rest}] + ([{"params": lora, "lr": cfg.lora_lr}] if lora else [])
+    gate = [prm for name, prm in bridge.named_parameters() if name.startswith("gate.")]
+    rest = [prm for name, prm in bridge.named_parameters() if not name.startswith(("lora.", "gate."))]
+    groups = [{"params": rest}] + ([{"params": lora, "lr": cfg.lora_lr}] if lora else []) + \
+        ([{"params": gate, "lr": cfg.readout_lr}] if gate else [])
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     if (out / "trainer.json").exists() and state["step"] > 0:
         _load_trainer(out, opt)
