@@ -13,7 +13,8 @@ The cost model it checks: every method runs the same fused forward over its comp
 two methods tends to ``q_method / q_direct`` as the block grows (the per-call costs that do not depend on ``q``,
 block lookup and re-positioning, weigh less at larger ``N``). With ``k`` recomputed rows on top of a question and
 own prefix of ``q`` rows, the ratio to direct reuse tends to ``(q + k) / q`` from below: it cannot fall with the
-block. JSON per size under ``--out`` (rewritten after each)::
+block. ``--bridges NAME=PATH`` adds LatentRemedyCache with those bridges (their own rows: focus rows for a
+bridge trained with them), timed beside the others. JSON per size under ``--out`` (rewritten after each)::
 
     python research/latent/latent_ttft_profile.py --sizes 1024 4096 8192 16384 --reps 3 --threads 1
 """
@@ -52,7 +53,8 @@ def split(profile: cProfile.Profile) -> dict:
 def main(argv=None) -> None:
     from latent_ttft import long_record, ttft
 
-    from hf_kvreuse import ChunkStore, DirectReuseCache, FocusRecomputeCache, TailRecomputeCache, enable
+    from hf_kvreuse import (ChunkStore, DirectReuseCache, FocusRecomputeCache, LatentBridge, LatentRemedyCache,
+                            TailRecomputeCache, enable)
     from hf_kvreuse.models import load_offline
     from hf_kvreuse.workflows.conflicting import prompt_parts
 
@@ -61,12 +63,16 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bridges", nargs="*", default=[], help="NAME=PATH: LatentRemedy bridges timed beside them")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "latent_ttft_profile_qwen2.5-0.5b.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok = load_offline(a.model, dtype=torch.float32)
     enable(model)
     from common import git_commit
+
+    bridges = {k: LatentBridge.load(v, model) for k, v in (x.split("=", 1) for x in a.bridges)}
+    methods = METHODS + tuple(bridges)
 
     commit = git_commit(ROOT)
     res = {"command": "python research/latent/latent_ttft_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -81,19 +87,23 @@ def main(argv=None) -> None:
         kw = dict(store=store, block_prefix_ids=torch.tensor(donor[:ds]))
         make = {"direct": lambda: DirectReuseCache(model, ids, [(s, e)], **kw),
                 "tail16": lambda: TailRecomputeCache(model, ids, [(s, e)], **kw),
-                "focus16": lambda: FocusRecomputeCache(model, ids, [(s, e)], tok, **kw)}
+                "focus16": lambda: FocusRecomputeCache(model, ids, [(s, e)], tok, **kw),
+                **{k: (lambda b=b: LatentRemedyCache(model, ids, [(s, e)], bridge=b,
+                                                     focus=tok if b.rows == "focus" else None, **kw))
+                   for k, b in bridges.items()}}
         rows = {}
-        for m in METHODS:  # warm-up; the rows each computes in its first forward
+        for m in methods:  # warm-up; the rows each computes in its first forward
             c = make[m]()
             ttft(model, ids, c)
             rows[m] = int(c.stats.recomputed_tokens) + 1
-        times = {m: [] for m in METHODS}
+        k = len(methods)
+        times = {m: [] for m in methods}
         for r in range(a.reps):
-            for m in METHODS[r % 3:] + METHODS[: r % 3]:
+            for m in methods[r % k:] + methods[: r % k]:
                 times[m].append(ttft(model, ids, make[m]())[0])
-        parts = {m: [] for m in METHODS}  # one profiled call per method and repetition, interleaved
+        parts = {m: [] for m in methods}  # one profiled call per method and repetition, interleaved
         for r in range(a.reps):
-            for m in METHODS[r % 3:] + METHODS[: r % 3]:
+            for m in methods[r % k:] + methods[: r % k]:
                 pr = cProfile.Profile()
                 pr.enable()
                 ttft(model, ids, make[m]())
@@ -103,11 +113,11 @@ def main(argv=None) -> None:
         row = {"block_tokens": e - s, "prompt_tokens": ids.shape[1], "rows": rows,
                "ttft_s": {m: statistics.median(v) for m, v in times.items()}, "raw_s": times,
                "ratio_to_direct": {m: statistics.median(x / y for x, y in zip(times[m], times["direct"]))
-                                   for m in METHODS},
-               "rows_ratio_to_direct": {m: rows[m] / rows["direct"] for m in METHODS},
+                                   for m in methods},
+               "rows_ratio_to_direct": {m: rows[m] / rows["direct"] for m in methods},
                "profile_s": prof,
                "profile_ratio_to_direct": {m: {k: prof[m][k] / max(prof["direct"][k], 1e-9) for k in prof[m]}
-                                           for m in METHODS}}
+                                           for m in methods}}
         res["sizes"][str(n)] = row
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
@@ -126,6 +136,15 @@ def table(doc: dict) -> str:
                      f"{r['rows_ratio_to_direct']['focus16']:.2f}x | {1000 * r['ttft_s']['direct']:.0f} ms | "
                      f"{rt['tail16']:.2f}x | {rt['focus16']:.2f}x | {pr['linear_s']:.2f}x | {pr['attention_s']:.2f}x | "
                      f"{pr['other_s']:.2f}x |")
+    extra = [m for m in next(iter(doc["sizes"].values()))["ttft_s"] if m not in METHODS]
+    if extra:  # LatentRemedy bridges timed beside them
+        lines += ["", "| block tokens | " + " | ".join(f"TTFT {m} / direct | {m} / focus16" for m in extra) + " |",
+                  "|---|" + "---|---|" * len(extra)]
+        for _, r in sorted(doc["sizes"].items(), key=lambda x: int(x[0])):
+            rt = r["ratio_to_direct"]
+            lines.append(f"| {r['block_tokens']} | " + " | ".join(
+                f"{rt[m]:.2f}x | {statistics.median(x / y for x, y in zip(r['raw_s'][m], r['raw_s']['focus16'])):.2f}x"
+                for m in extra) + " |")
     return "\n".join(lines)
 
 
