@@ -949,3 +949,48 @@ def test_token_latents_with_focus_rows_cache_equals_trainer(model):
     with torch.no_grad():
         s = student_logits_gated(model, bridge, [other, ex], [recompute_rows(e, 6, "focus") for e in (other, ex)])
     torch.testing.assert_close(s[1][0], out.logits[0][0], atol=2e-4, rtol=2e-4)
+
+
+def test_gated_bridge_bf16_and_threads():
+    """A gated bridge cast to bfloat16 with its model runs (its read-out computes in float32; planted bug: the
+    read-out's weights used in their own dtype -> `expected m1 and m2 to have the same dtype`); and while a gated
+    call runs in one thread, a plain ``generate`` in another thread is plain ``generate`` (the read-out hook acts
+    in its own context only)."""
+    import threading
+
+    m = enable(tiny_model("qwen2", seed=7))
+    tok, pa, ids = _focus_case()
+    b = _gated(m, trained=True)
+    ref = _gen(m, ids, new=4)
+    mb = enable(tiny_model("qwen2", seed=7).to(torch.bfloat16))
+    bb = _gated(mb, trained=True).to(torch.bfloat16)
+    out = _gen(mb, ids, LatentRemedyCache(mb, ids, [(9, 39)], bridge=bb, block_prefix_ids=pa[0], focus=tok,
+                                          focus_window=2), new=2)
+    assert torch.isfinite(torch.stack(out.logits)).all()
+    results, gate = {}, threading.Barrier(2)
+    orig = LatentRemedyCache._prepare_gated
+
+    def slow_prepare(self, *a, **kw):  # hold the hooks while the other thread generates
+        orig(self, *a, **kw)
+        gate.wait(timeout=30)
+        gate.wait(timeout=30)
+    LatentRemedyCache._prepare_gated = slow_prepare
+    try:
+        def gated():
+            results["gated"] = _gen(m, ids, LatentRemedyCache(m, ids, [(9, 39)], bridge=b, block_prefix_ids=pa[0],
+                                                              focus=tok, focus_window=2), new=2)
+
+        def plain():
+            gate.wait(timeout=30)
+            results["plain"] = _gen(m, ids, new=4)
+            gate.wait(timeout=30)
+        threads = [threading.Thread(target=f) for f in (gated, plain)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        LatentRemedyCache._prepare_gated = orig
+    assert torch.equal(results["plain"].sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(results["plain"].logits), torch.stack(ref.logits), atol=1e-6, rtol=1e-6)
+    assert "gated" in results

@@ -385,9 +385,11 @@ class GatedReadout(nn.Module):
         norm = hf.norm(dim=-1, keepdim=True)
         u = hf / norm.clamp_min(1e-6) * self.d ** 0.5
         w = zf / zf.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.d ** 0.5
-        q, k, v = u @ self.q[layer].t(), w @ self.k[layer].t(), w @ self.v[layer].t()
+        # float32 on the rows' device (a bridge cast to bf16 with its model, a model split over devices)
+        wq, wk, wv, wo = (x[layer].to(device=h.device, dtype=torch.float32) for x in (self.q, self.k, self.v, self.o))
+        q, k, v = u @ wq.t(), w @ wk.t(), w @ wv.t()
         a = torch.softmax(q @ k.transpose(-1, -2) / self.rank ** 0.5, dim=-1)
-        out = (a @ v) @ self.o[layer].t()
+        out = (a @ v) @ wo.t()
         return h + (out * norm / self.d ** 0.5).to(h.dtype)
 
     def extra_repr(self) -> str:
