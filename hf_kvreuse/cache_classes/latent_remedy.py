@@ -154,20 +154,9 @@ class LatentRemedyCache(BlockReuseCache):
         if self.gated:
             return self._prepare_gated(model, input_ids, generate_kwargs)
         # n = 0 runs the same steps with no latent rows: direct reuse, computed in two passes (before / after e)
-        self.begin_generate(model, input_ids, generate_kwargs)
-        device = self.input_ids.device
-        t0 = now(device)
-        self._pending = None
-        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
-        covered = self.input_ids.shape[1] - 1
+        device, t0, fuse, covered, storage, kv, fresh, e, tails, pre, post, ids = \
+            self._layout(model, input_ids, generate_kwargs)
         with torch.no_grad():
-            storage = self.assemble_blocks(extra_rows=1 if fuse else 0)  # fused: the last token's row too
-            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in storage] if fuse else storage
-            fresh = self.fresh_rows(covered)
-            e = self.blocks[-1][1]
-            tails = self.tail_rows().to(fresh.device)
-            pre, post = fresh[fresh < e].to(device), fresh[fresh >= e].to(device)
-            ids = self.input_ids[:, :covered]
             feats = None
             if self.n_latent:
                 feats = self.prefix_features(ids, pre, kv)
@@ -203,6 +192,26 @@ class LatentRemedyCache(BlockReuseCache):
             latents_pass(False)
         st.assemble_s = now(device) - t0
 
+    def _layout(self, model, input_ids, generate_kwargs):
+        """The start of both preparations: ``begin_generate``, the blocks placed into full-length storage (fused:
+        with the last token's row too) and the rows split around the last block's end ``e``. Returns ``(device,
+        t0, fuse, covered, storage, kv, fresh, e, tails, pre, post, ids)``; ``kv`` views the first ``covered``
+        rows of ``storage``."""
+        self.begin_generate(model, input_ids, generate_kwargs)
+        device = self.input_ids.device
+        t0 = now(device)
+        self._pending = None
+        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
+        covered = self.input_ids.shape[1] - 1
+        with torch.no_grad():
+            storage = self.assemble_blocks(extra_rows=1 if fuse else 0)  # fused: the last token's row too
+            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in storage] if fuse else storage
+            fresh = self.fresh_rows(covered).to(device)
+            e = self.blocks[-1][1]
+            tails = self.tail_rows().to(device)
+        return (device, t0, fuse, covered, storage, kv, fresh, e, tails, fresh[fresh < e], fresh[fresh >= e],
+                self.input_ids[:, :covered])
+
     def _prepare_gated(self, model, input_ids, generate_kwargs) -> None:
         """A gated bridge: own prefix rows; the latents into scratch rows after the block, their per-layer states
         kept; then the read-out hook on, and the recomputed block rows with the question (and, fused, the last
@@ -212,20 +221,9 @@ class LatentRemedyCache(BlockReuseCache):
         from ..generation.fused import PendingRows
         from ..local_hooks import local_hooks
 
-        self.begin_generate(model, input_ids, generate_kwargs)
-        device = self.input_ids.device
-        t0 = now(device)
-        self._pending = None
-        fuse = self.fuse_first_step and not returns_internals(model, generate_kwargs)
-        covered = self.input_ids.shape[1] - 1
+        device, t0, fuse, covered, storage, kv, fresh, e, tails, pre, post, ids = \
+            self._layout(model, input_ids, generate_kwargs)
         with torch.no_grad():
-            storage = self.assemble_blocks(extra_rows=1 if fuse else 0)
-            kv = [(k[..., :covered, :], v[..., :covered, :]) for k, v in storage] if fuse else storage
-            fresh = self.fresh_rows(covered).to(device)
-            e = self.blocks[-1][1]
-            tails = self.tail_rows().to(device)
-            pre, post = fresh[fresh < e], fresh[fresh >= e]
-            ids = self.input_ids[:, :covered]
             feats = self.prefix_features(ids, pre, kv)
             if self.bridge.donor:
                 feats = (feats, self.donor_features())
