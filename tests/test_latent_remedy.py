@@ -994,3 +994,28 @@ def test_gated_bridge_bf16_and_threads():
     assert torch.equal(results["plain"].sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(results["plain"].logits), torch.stack(ref.logits), atol=1e-6, rtol=1e-6)
     assert "gated" in results
+
+
+def test_evaluate_rows_uses_the_rows_asked_for():
+    """The teacher-forced evaluation with ``rows="focus"`` scores the focus rows (the KL of :func:`batch_loss` with
+    them), not the tail. Planted bug (the one it was written for): a local list named ``rows`` shadowing the
+    argument -> focus evaluated as tail, and a focus-trained gated bridge evaluated with tail rows."""
+    from hf_kvreuse.latent.train import attach_focus_rows, batch_loss, evaluate_rows
+
+    tok, pa, ids = _focus_case()
+    m = enable(tiny_model("llama", seed=7))
+    ex = make_example(m, ids, (9, 39), pa[0], n_answer=3, top_k=8)
+    other = make_example(m, torch.cat([pa, ids[:, 9:]], 1), (9, 39), ids[0, :9], n_answer=3, top_k=8)
+    ex.meta.update(record=0, direction="a->b")
+    other.meta.update(record=0, direction="b->a")
+    exs = [ex, other]
+    attach_focus_rows(tok, exs, 6, window=2)
+    with torch.no_grad():
+        for rows in ("focus", "tail"):
+            want = batch_loss(m, None, exs, 6, rows=rows, per_example=True)
+            got = [r["kl"] for r in evaluate_rows(m, None, exs, 6, rows=rows)]
+            assert got == pytest.approx(want.tolist(), abs=1e-4)
+        b = _gated(m, trained=True)
+        want = batch_loss(m, b, exs, 6, rows="focus", per_example=True)
+        assert [r["kl"] for r in evaluate_rows(m, b, exs, 6, rows="focus")] == pytest.approx(want.tolist(), abs=1e-4)
+    assert ex.meta["rows"] != list(range(33, 39))  # focus rows here are not the tail

@@ -435,7 +435,7 @@ def evaluate_rows(model, bridge: LatentBridge | None, exs: list[Example], tail_k
     """Per example, teacher-forced (no generation): ``agree`` = the student's argmax equals the teacher's answer
     at every supervised position (its greedy answer would be the full prefill's), ``ok`` = agree and the teacher is
     right, ``reuse_ok`` the same for direct reuse (stored with the example), ``kl`` the loss."""
-    rows = []
+    out = []
     for i in range(0, len(exs), batch):
         chunk = exs[i: i + batch]
         if (bridge is not None and bridge.gated) or rows == "focus":
@@ -445,11 +445,11 @@ def evaluate_rows(model, bridge: LatentBridge | None, exs: list[Example], tail_k
         for lg, ex in zip(logits, chunk):
             agree = bool((lg.argmax(-1) == ex.top_idx[:, 0]).all())
             full_ok = bool(ex.meta.get("full_ok", True))
-            rows.append({"family": ex.meta.get("family", "?"), "record": ex.meta.get("record"),
-                         "direction": ex.meta.get("direction"), "agree": agree, "full_ok": full_ok,
-                         "ok": full_ok and agree, "reuse_ok": full_ok and bool(ex.meta.get("reuse_agree", False)),
-                         "kl": round(float(kl_top_k(lg, ex)), 5)})
-    return rows
+            out.append({"family": ex.meta.get("family", "?"), "record": ex.meta.get("record"),
+                        "direction": ex.meta.get("direction"), "agree": agree, "full_ok": full_ok,
+                        "ok": full_ok and agree, "reuse_ok": full_ok and bool(ex.meta.get("reuse_agree", False)),
+                        "kl": round(float(kl_top_k(lg, ex)), 5)})
+    return out
 
 
 def summarize_rows(rows: list[dict]) -> dict:
@@ -689,7 +689,7 @@ def run(argv, model=None, loaded: dict | None = None, tokenizer=None) -> dict:
         for spec in a.compare:
             name, path = spec.split("=", 1) if "=" in spec else (spec, spec)
             other = LatentBridge.from_pretrained(model, None if path == "shipped" else path)
-            rows[name] = evaluate_rows(model, other, dev, other.tail_tokens, cfg.batch)
+            rows[name] = evaluate_rows(model, other, dev, other.tail_tokens, cfg.batch, other.rows)
             res["compare"][name] = {"path": path, "n_latent": other.n_latent, "tail_tokens": other.tail_tokens,
                                     "info": other.info}
         res["dev"] = summarize_rows(rows["bridge"])
