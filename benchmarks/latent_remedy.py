@@ -9,6 +9,7 @@ the block K/V that agent X computed under its own prefix), greedy answers of age
 * ``tail16``: reuse, the block's last 16 tokens recomputed;
 * ``focus16``: reuse, 16 block rows recomputed: those that mention what the two agents' prefixes disagree on
   (:class:`~hf_kvreuse.cache_classes.focus.FocusRecomputeCache`), the rest from the tail;
+* ``focus4`` / ``focus8``: the same with 4 / 8 rows (fewer rows, a first token closer to direct reuse's);
 * ``blend``: CacheBlend (15% of the block rows recomputed after layer 1);
 * ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint) and the tail
   it was trained with (``bridge.tail_tokens``: 0 for the checkpoints before 2026-12-02, 16 for the shipped one);
@@ -47,7 +48,7 @@ from hf_kvreuse.workflows import HELDOUT_FAMILIES, conflict_records, is_correct,
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import wilson  # noqa: E402
-METHODS = ("full", "reuse", "post", "tail16", "focus16", "blend", "latent", "latent_tail16", "latent_focus16")
+METHODS = ("full", "reuse", "post", "tail16", "focus16", "focus4", "focus8", "blend", "latent", "latent_tail16", "latent_focus16")
 MODELS = {"smollm2": ("smollm2-135m-instruct", torch.float32), "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct",
                                                                                   torch.bfloat16)}
 
@@ -139,6 +140,10 @@ def main(argv=None) -> None:
                              "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "focus16": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
                                                                     recompute_tokens=16, **kw),
+                             "focus4": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
+                                                                   recompute_tokens=4, **kw),
+                             "focus8": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
+                                                                   recompute_tokens=8, **kw),
                              "blend": lambda: BlendCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              # the bridge's own Tail-k (what it was trained with; 0 for a plain bridge)
                              "latent": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],

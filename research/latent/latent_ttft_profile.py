@@ -13,7 +13,7 @@ The cost model it checks: every method runs the same fused forward over its comp
 two methods tends to ``q_method / q_direct`` as the block grows (the per-call costs that do not depend on ``q``,
 block lookup and re-positioning, weigh less at larger ``N``). With ``k`` recomputed rows on top of a question and
 own prefix of ``q`` rows, the ratio to direct reuse tends to ``(q + k) / q`` from below: it cannot fall with the
-block. ``--bridges NAME=PATH`` adds LatentRemedyCache with those bridges (their own rows: focus rows for a
+block. ``--focus-k 4 8`` adds FocusRecompute with fewer rows; ``--bridges NAME=PATH`` adds LatentRemedyCache with those bridges (their own rows: focus rows for a
 bridge trained with them), timed beside the others. JSON per size under ``--out`` (rewritten after each)::
 
     python research/latent/latent_ttft_profile.py --sizes 1024 4096 8192 16384 --reps 3 --threads 1
@@ -63,6 +63,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--focus-k", type=int, nargs="*", default=[],
+                   help="FocusRecompute with these row counts too (focusK), timed beside focus16")
     p.add_argument("--bridges", nargs="*", default=[], help="NAME=PATH: LatentRemedy bridges timed beside them")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "latent_ttft_profile_qwen2.5-0.5b.json"))
     a = p.parse_args(argv)
@@ -72,7 +74,7 @@ def main(argv=None) -> None:
     from common import git_commit
 
     bridges = {k: LatentBridge.load(v, model) for k, v in (x.split("=", 1) for x in a.bridges)}
-    methods = METHODS + tuple(bridges)
+    methods = METHODS + tuple(f"focus{k}" for k in a.focus_k if k != 16) + tuple(bridges)
 
     commit = git_commit(ROOT)
     res = {"command": "python research/latent/latent_ttft_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -88,6 +90,8 @@ def main(argv=None) -> None:
         make = {"direct": lambda: DirectReuseCache(model, ids, [(s, e)], **kw),
                 "tail16": lambda: TailRecomputeCache(model, ids, [(s, e)], **kw),
                 "focus16": lambda: FocusRecomputeCache(model, ids, [(s, e)], tok, **kw),
+                **{f"focus{k}": (lambda k=k: FocusRecomputeCache(model, ids, [(s, e)], tok, recompute_tokens=k, **kw))
+                   for k in a.focus_k if k != 16},
                 **{k: (lambda b=b: LatentRemedyCache(model, ids, [(s, e)], bridge=b,
                                                      focus=tok if b.rows == "focus" else None, **kw))
                    for k, b in bridges.items()}}
