@@ -1019,3 +1019,31 @@ def test_evaluate_rows_uses_the_rows_asked_for():
         want = batch_loss(m, b, exs, 6, rows="focus", per_example=True)
         assert [r["kl"] for r in evaluate_rows(m, b, exs, 6, rows="focus")] == pytest.approx(want.tolist(), abs=1e-4)
     assert ex.meta["rows"] != list(range(33, 39))  # focus rows here are not the tail
+
+
+def test_session_latent_policy_with_a_focus_bridge(model):
+    """``ReuseSession(policy="latent")`` with a gated bridge trained with focus rows: the tokenizer comes through
+    ``method_kwargs={"focus": ...}`` and the call runs as LatentRemedyCache(focus=) over the held call's block;
+    without it the call is refused with the reason, and the session holds what it held before (no half-stored
+    call). Planted bug: the cache's check ``bridge.rows == "focus" and focus is None`` removed -> the refused call
+    runs with tail rows and the ``pytest.raises`` fails."""
+    from hf_kvreuse import ReuseSession
+    from hf_kvreuse.generation.partial import _decoder
+
+    tok, pa, ids = _focus_case()
+    bridge = _gated(model, trained=True)
+    gen = dict(max_new_tokens=3, do_sample=False)
+    hooks_before = [len(layer._forward_hooks) for layer in _decoder(model).layers]
+    donor = torch.cat([pa, ids[:, 9:39]], 1)  # the other agent's call: its prefix, the block
+    refused = ReuseSession(model, method_kwargs=dict(bridge=bridge))
+    refused.generate(donor, **gen)
+    held = list(refused._entries)
+    with pytest.raises(ValueError, match="focus rows"):
+        refused.generate(ids, policy="latent", **gen)
+    assert list(refused._entries) == held
+    s = ReuseSession(model, method_kwargs=dict(bridge=bridge, focus=tok, focus_window=2))
+    s.generate(donor, **gen)
+    out = s.generate(ids, policy="latent", **gen)
+    assert s.last_stats.method == "latent" and out.shape[1] == ids.shape[1] + 3
+    assert s.last_stats.donor_tokens >= 30
+    assert [len(layer._forward_hooks) for layer in _decoder(model).layers] == hooks_before

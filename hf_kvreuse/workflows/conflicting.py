@@ -33,12 +33,13 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-# chosen by the screens in the research notes (Qwen2.5-Coder-0.5B): families the model solves with full prefill and where
-# direct reuse loses >= 15 points. Held out: retrieval and extract (lookup list, record card) and code (Python
-# source: another shape than every training family); the others (utility, count, gates, minmax, inverse, narrative:
-# the model cannot do them with full prefill; order, years, specs: reuse keeps most answers; json, rooms: not
-# screened) stay available for measurement
-TRAIN_FAMILIES = ("inventory", "schedule", "phonebook", "prices")
+# chosen by the screens in the research notes (Qwen2.5-Coder-0.5B): the first four are families the model solves
+# with full prefill and where direct reuse loses >= 15 points; the shipped gated bridge was trained on all eight
+# (json, rooms, gates, specs: more layouts, kept although the model solves gates rarely and reuse keeps some specs).
+# Held out: retrieval and extract (lookup list, record card) and code (Python source: another shape than every
+# training family); the others (utility, count, minmax, inverse, narrative: the model cannot do them with full
+# prefill; order, years: reuse keeps most answers) stay available for measurement
+TRAIN_FAMILIES = ("inventory", "schedule", "phonebook", "prices", "json", "rooms", "gates", "specs")
 HELDOUT_FAMILIES = ("retrieval", "extract", "code")
 QUESTION = "Give only your answer, nothing else."
 
