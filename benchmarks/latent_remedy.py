@@ -10,6 +10,7 @@ the block K/V that agent X computed under its own prefix), greedy answers of age
 * ``focus16``: reuse, 16 block rows recomputed: those that mention what the two agents' prefixes disagree on
   (:class:`~hf_kvreuse.cache_classes.focus.FocusRecomputeCache`), the rest from the tail;
 * ``focus4`` / ``focus8``: the same with 4 / 8 rows (fewer rows, a first token closer to direct reuse's);
+  ``focusKwW``: ``K`` rows, ``W`` tokens after each mention (default 8), e.g. ``focus8w3``;
 * ``blend``: CacheBlend (15% of the block rows recomputed after layer 1);
 * ``latent``: LatentRemedyCache with the trained bridge (``--bridge``, default: the shipped checkpoint) and the tail
   it was trained with (``bridge.tail_tokens``: 0 for the checkpoints before 2026-12-02, 16 for the shipped one);
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -85,7 +87,7 @@ def main(argv=None) -> None:
     p.add_argument("--families", nargs="+", default=list(HELDOUT_FAMILIES))
     p.add_argument("--n", type=int, default=50, help="records per family (each gives two directions)")
     p.add_argument("--seed", type=int, default=1000, help="record seed (training uses other seeds)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), type=_method)
     p.add_argument("--bridge", default=None, help="LatentBridge folder (default: the shipped checkpoint)")
     p.add_argument("--extra-bridges", nargs="*", default=[], help="NAME=PATH: more LatentRemedy variants")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -108,6 +110,8 @@ def main(argv=None) -> None:
         key, path = spec.split("=", 1)
         extra[key] = LatentBridge.load(path, model)
     methods = list(a.methods) + list(extra)
+    focus_variants = {m: _focus_spec(m) for m in methods if m not in METHODS and _focus_spec(m)}
+    focus_variants.update({m: _focus_spec(m) for m in ("focus4", "focus8")})
     rows = []
     t_start = time.perf_counter()
     for fam in a.families:
@@ -140,10 +144,9 @@ def main(argv=None) -> None:
                              "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "focus16": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
                                                                     recompute_tokens=16, **kw),
-                             "focus4": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
-                                                                   recompute_tokens=4, **kw),
-                             "focus8": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
-                                                                   recompute_tokens=8, **kw),
+                             **{m: (lambda k=k, w=w: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span],
+                                                                          tok, recompute_tokens=k, window=w, **kw))
+                                for m, (k, w) in focus_variants.items()},
                              "blend": lambda: BlendCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              # the bridge's own Tail-k (what it was trained with; 0 for a plain bridge)
                              "latent": lambda: LatentRemedyCache(model, torch.tensor([use_ids]), [use_span],
@@ -175,6 +178,18 @@ def main(argv=None) -> None:
     print(json.dumps(summary, indent=1))
     if len(methods) > 2:
         plot(summary, out.with_suffix(".png"))
+
+
+def _focus_spec(method: str):
+    """``(rows, window)`` of a ``focusK`` / ``focusKwW`` method name, or None."""
+    m = re.fullmatch(r"focus(\d+)(?:w(\d+))?", method)
+    return (int(m.group(1)), int(m.group(2) or 8)) if m else None
+
+
+def _method(name: str) -> str:
+    if name in METHODS or _focus_spec(name):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown method {name!r}; choose from {METHODS} or focusK / focusKwW")
 
 
 def summarize(rows: list[dict], methods) -> dict:
