@@ -1,8 +1,9 @@
 """Two agents, one shared block, opposite objectives: direct reuse vs LatentRemedy (Qwen2.5-Coder-0.5B-Instruct).
 
 Agent A reads a registry under its own instruction ("you are in charge of entry X"); agent B reuses the block's
-K/V that A computed and asks about entry Y. Direct reuse tends to answer A's entry; LatentRemedyCache adds the
-shipped bridge's latent tokens after the block (loaded by default for this model).
+K/V that A computed and asks about entry Y. Direct reuse tends to answer A's entry; LatentRemedyCache recomputes
+the block rows that mention what the two instructions disagree on and adds the shipped bridge's latents, which the
+question reads through the bridge's gated read-out (loaded by default for this model).
 
     python examples/latent_remedy.py [--records 5]
 """
@@ -24,7 +25,7 @@ def main():
     model, tok = load_qwen("0.5b")
     enable(model)
     bridge = LatentBridge.from_pretrained(model)   # the shipped checkpoint (hf_kvreuse/latent/checkpoints)
-    print(f"shipped bridge: n_latent={bridge.n_latent}, trained on {bridge.info.get('config', {}).get('families')}")
+    print(f"shipped bridge: n_latent={bridge.n_latent}, read-out {bridge.readout!r}, rows {bridge.rows!r}")
     for rec in conflict_records(a.family, a.records, seed=2024):
         ids_a, (sa, _) = prompt_parts(tok, rec, "a")
         ids_b, span = prompt_parts(tok, rec, "b")
@@ -35,8 +36,9 @@ def main():
         outs["reuse"] = model.generate(x, cache=DirectReuseCache(model, x, [span], store=store,
                                                                  block_prefix_ids=donor_prefix),
                                        max_new_tokens=8, do_sample=False)
+        # the shipped bridge was trained with focus rows (bridge.rows == "focus"): the cache needs the tokenizer
         outs["latent"] = model.generate(x, cache=LatentRemedyCache(model, x, [span], bridge=bridge, store=store,
-                                                                   block_prefix_ids=donor_prefix),
+                                                                   block_prefix_ids=donor_prefix, focus=tok),
                                         max_new_tokens=8, do_sample=False)
         answers = {k: tok.decode(v[0, x.shape[1]:], skip_special_tokens=True).strip() for k, v in outs.items()}
         print(f"B's gold {rec.gold_b!r} (A's {rec.gold_a!r}): " + ", ".join(
