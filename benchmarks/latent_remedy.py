@@ -230,14 +230,17 @@ def summarize(rows: list[dict], methods) -> dict:
                 if m in ("full", "reuse"):
                     continue
                 res[m]["recovered"] = (res[m]["acc"] - res["reuse"]["acc"]) / lost if lost > 0 else float("nan")
-                # TTFT ratio to direct reuse, per (record, direction) pair, median
+                # TTFT ratio to direct reuse of the same run (side by side), per (record, direction), median;
+                # none for a method whose run had no direct reuse (another run's load is not comparable)
                 ratios = []
                 for r in (x for x in sel if x["method"] == m):
-                    cands = [x for x in sel_all if x["method"] == "reuse" and x["record"] == r["record"]
-                             and x["direction"] == r["direction"] and x["family"] == r["family"]]
-                    base = next((x for x in cands if x.get("run") == r.get("run")), cands[0])  # side by side
-                    ratios.append(r["ttft_s"] / base["ttft_s"])
-                res[m]["ttft_vs_reuse"] = statistics.median(ratios)
+                    base = next((x for x in sel_all if x["method"] == "reuse" and x["record"] == r["record"]
+                                 and x["direction"] == r["direction"] and x["family"] == r["family"]
+                                 and x.get("run") == r.get("run")), None)
+                    if base is not None:
+                        ratios.append(r["ttft_s"] / base["ttft_s"])
+                if ratios:
+                    res[m]["ttft_vs_reuse"] = statistics.median(ratios)
         out[fam] = res
     return out
 
@@ -293,7 +296,8 @@ def merge(out_path: str, paths: list[str]) -> None:
     for i, path in enumerate(paths):
         d = json.load(open(path))
         metas.append(d["meta"])
-        rows.extend({**r, "run": r.get("run", f"{i}")} for r in d["rows"])
+        # a run id per input file (a merged input keeps its own runs apart under its index)
+        rows.extend({**r, "run": f"{i}.{r['run']}" if "run" in r else f"{i}"} for r in d["rows"])
     methods = list(dict.fromkeys(r["method"] for r in rows))
     summary = summarize(rows, methods)
     Path(out_path).write_text(json.dumps({"meta": {"merged_from": paths, "runs": metas,
