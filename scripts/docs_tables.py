@@ -55,6 +55,11 @@ def _research(folder: str, name: str):
     return __import__(name)
 
 
+def _latent_remedy(path: Path) -> str:
+    """A LatentRemedy generation JSON as ``benchmarks/latent_remedy.py --table`` prints it."""
+    return _bench("latent_remedy").markdown(str(path))
+
+
 def _retention(path: Path) -> str:
     """A TranslatedCache retention JSON as ``research/translated/translated_retention.py table`` prints it."""
     folder = str(ROOT / "research" / "translated")
@@ -141,20 +146,20 @@ TABLES = [
     ("TranslatedCache default selector: time to first token against the target's full prefill (SQuAD, 2 threads)",
      "translated_timing_auto_fp32.json", _retention, "../methods/translated.md"),
     ("LatentRemedy, held-out conflicting-task families", "latent_remedy_qwen2.5-0.5b.json",
-     lambda p: _bench("latent_remedy").markdown(str(p)), "../methods/latent-remedy.md"),
+     _latent_remedy, "../methods/latent-remedy.md"),
     ("LatentRemedy and FocusRecompute, generated answers", "latent_remedy_focus_qwen2.5-0.5b.json",
-     lambda p: _bench("latent_remedy").markdown(str(p)), "../methods/focus-recompute.md"),
+     _latent_remedy, "../methods/focus-recompute.md"),
     ("LatentRemedy with a gated read-out trained with focus rows, generated answers",
-     "latent_remedy_gated_qwen2.5-0.5b.json", lambda p: _bench("latent_remedy").markdown(str(p)),
+     "latent_remedy_gated_qwen2.5-0.5b.json", _latent_remedy,
      "../methods/latent-remedy.md"),
     ("LatentRemedy: the shipped gated bridge beside the bridge it reproduces, generated answers",
-     "latent_remedy_shipped_qwen2.5-0.5b.json", lambda p: _bench("latent_remedy").markdown(str(p)),
+     "latent_remedy_shipped_qwen2.5-0.5b.json", _latent_remedy,
      "../methods/latent-remedy.md"),
     ("FocusRecompute with fewer rows (4, 8; tokens after each mention), generated answers",
-     "latent_remedy_focus_k_qwen2.5-0.5b.json", lambda p: _bench("latent_remedy").markdown(str(p)),
+     "latent_remedy_focus_k_qwen2.5-0.5b.json", _latent_remedy,
      "../research/latent-remedy.md"),
     ("LatentRemedy with a gated read-out: role-different instructions (order, minmax)",
-     "latent_remedy_role_qwen2.5-0.5b.json", lambda p: _bench("latent_remedy").markdown(str(p)),
+     "latent_remedy_role_qwen2.5-0.5b.json", _latent_remedy,
      "../research/latent-remedy.md"),
     ("LatentRemedy TTFT at 1k, 4k and 8k-token blocks (fused first step)", "latent_ttft_fused_qwen2.5-0.5b.json",
      lambda p: _bench("latent_ttft").markdown(str(p)), "../methods/latent-remedy.md"),
