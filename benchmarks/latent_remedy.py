@@ -110,8 +110,7 @@ def main(argv=None) -> None:
         key, path = spec.split("=", 1)
         extra[key] = LatentBridge.load(path, model)
     methods = list(a.methods) + list(extra)
-    focus_variants = {m: _focus_spec(m) for m in methods if m not in METHODS and _focus_spec(m)}
-    focus_variants.update({m: _focus_spec(m) for m in ("focus4", "focus8")})
+    focus_variants = {m: spec for m in methods if (spec := _focus_spec(m))}  # focus16, focus8, focus8w3, ...
     rows = []
     t_start = time.perf_counter()
     for fam in a.families:
@@ -142,8 +141,6 @@ def main(argv=None) -> None:
                     cache = {"reuse": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "post": lambda: DirectReuseCache(model, torch.tensor([use_ids]), [use_span], **kw),
                              "tail16": lambda: TailRecomputeCache(model, torch.tensor([use_ids]), [use_span], **kw),
-                             "focus16": lambda: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span], tok,
-                                                                    recompute_tokens=16, **kw),
                              **{m: (lambda k=k, w=w: FocusRecomputeCache(model, torch.tensor([use_ids]), [use_span],
                                                                           tok, recompute_tokens=k, window=w, **kw))
                                 for m, (k, w) in focus_variants.items()},

@@ -525,6 +525,41 @@ def test_latent_remedy_paired_matches_cases_by_family_record_direction(tmp_path)
     assert out[3] == "| all | A - B | +10 [-10, +31] | 10 |"   # by case; paired by row order: [-31, +48]
 
 
+def test_latent_remedy_merge_times_each_method_against_its_own_run(tmp_path):
+    """benchmarks/latent_remedy.py --merge: a method's TTFT ratio pairs each row with direct reuse of the same run
+    (side by side); a method whose run had no direct reuse gets no ratio, and a merged input keeps its runs apart
+    from the other inputs' (run ids under the input's index). Planted bugs that fail it: falling back to another
+    run's direct reuse (the run condition dropped) -> ``B`` gets a ratio; run ids kept as they were in a merged
+    input (``r.get("run", f"{i}")``) -> the second input's A pairs with the first input's run "1" (5.0, not 2.0)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import latent_remedy
+    finally:
+        sys.path.pop(0)
+
+    def rows(method, ttft, record=0, run=None):
+        out = [dict(family="code", record=record, direction=f"full_{s}", method="full", ok=True, answer="1",
+                    ttft_s=1.0) for s in "ab"] + [dict(family="code", record=record, direction="a->b",
+                                                        method=method, ok=True, agree_full=True, answer="1",
+                                                        ttft_s=ttft)]
+        return [{**r, **({"run": run} if run else {})} for r in out]
+
+    # an earlier merge: its run "0" timed A beside direct reuse on record 0 (ratio 2.0); its run "1" timed only
+    # direct reuse, on record 1
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps({"meta": {}, "rows": rows("reuse", 1.0, 0, "0") + rows("A", 2.0, 0, "0")
+                                  + rows("reuse", 0.25, 1, "1")}))
+    late = tmp_path / "late.json"       # second input (index 1): A alone on record 1, under another load
+    late.write_text(json.dumps({"meta": {}, "rows": rows("A", 2.0, 1)}))
+    solo = tmp_path / "solo.json"       # B alone, no direct reuse in its run
+    solo.write_text(json.dumps({"meta": {}, "rows": rows("B", 9.0)}))
+    out = tmp_path / "out.json"
+    latent_remedy.merge(str(out), [str(merged), str(late), str(solo)])
+    res = json.loads(out.read_text())["summary"]["all"]
+    assert "ttft_vs_reuse" not in res["B"]
+    assert res["A"]["ttft_vs_reuse"] == 2.0   # record 1's A had no direct reuse beside it: no ratio (not 8.0)
+
+
 REAL_SCALE = ROOT / "benchmarks" / "real_scale_gpu.py"
 
 
