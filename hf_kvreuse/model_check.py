@@ -143,8 +143,8 @@ def _forward_kv(model, ids, starts: tuple[int, ...]):
     from transformers import DynamicCache
 
     from .compat import cache_kwargs
+    from .hybrid import state_indices
     from .kv import kv_of
-
     from .sliding import keep_history, layer_windows, take_history
 
     cache = DynamicCache(config=model.config)
@@ -155,6 +155,9 @@ def _forward_kv(model, ids, starts: tuple[int, ...]):
     pos = torch.stack([torch.arange(s, s + ids.shape[1], device=ids.device) for s in starts])
     out = model(input_ids=batch, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))
     kv = take_history(cache, windows, ids.shape[1], batch=len(starts)) if any(windows) else None
+    states = state_indices(cache)
+    if kv is None and states:  # a linear-attention hybrid: its attention layers' K/V (the states are not K/V)
+        kv = [(layer.keys, layer.values) for i, layer in enumerate(cache.layers) if i not in states]
     kv = kv if kv is not None else kv_of(cache)
     return [([(k[i:i + 1].clone(), v[i:i + 1].clone()) for k, v in kv], out.logits[i:i + 1])
             for i in range(len(starts))]
@@ -164,7 +167,9 @@ def _probe_rope(model, report: ModelCheck, kv0, kv1, tol: float) -> None:
     try:
         check_rope_supported(model)
         # one rotary module, or per layer its type's frequencies (Gemma 3's local and global bases)
-        rots = layer_rotaries(model) or [find_rotary_embedding(model)] * len(kv0)
+        rots = layer_rotaries(model)
+        kv_layers = report.extra.get("kv_layers")  # a hybrid: the attention layers' indices
+        rots = ([rots[i] for i in kv_layers] if kv_layers and rots else rots) or [find_rotary_embedding(model)] * len(kv0)
     except UnsupportedRopeError as e:
         report.rope_reason = f"{report.model_type}: {e}"
         return
@@ -292,6 +297,9 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
         report.extra["attention_path"] = path
         tol = _tolerance(dtype)
         ids = _probe_ids(target, device)
+        from .hybrid import state_layer_ids, state_reason
+
+        states = state_reason(target.config)
         # the probe checks the model's layout, not the caller's numerics: no autocast
         with torch.autocast(device.type, enabled=False):
             try:
@@ -304,6 +312,11 @@ def check_model(model, refresh: bool = False) -> ModelCheck:
                 if len({k.shape[-2] for k, _ in kv0}) != 1:
                     reason = f"{model_type}: its layers cache different numbers of tokens (sliding or shared layers)"
                     report.rope_reason = report.engine_reason = report.layers_reason = reason
+                elif states:  # re-positioning applies to the attention layers; nothing recomputes rows here
+                    skip = state_layer_ids(target.config)
+                    report.extra["kv_layers"] = [i for i in range(len(kv0) + len(skip)) if i not in skip]
+                    _probe_rope(target, report, kv0, kv1, tol)
+                    report.engine_reason = report.layers_reason = f"{model_type}: its {states}"
                 else:
                     _probe_rope(target, report, kv0, kv1, tol)
                     _probe_engine(target, report, ids, kv0, logits0, tol)

@@ -334,7 +334,8 @@ class ReuseSession:
         Linear-attention hybrids: the prompt is prefilled in blocks of this many tokens and the recurrent-state
         layers are copied at each block's end, so that a later prompt sharing only a prefix (another agent's prompt
         over the same document) reuses it up to the last whole block (as vLLM's and SGLang's hybrid prefix caches
-        do). 0: states only at each prompt's and call's end.
+        do). 0: states only at each prompt's and call's end. ``"optimistic"`` drafts from these copies too: a
+        held call's span over the shared document, cut at one of its copies (:class:`OptimisticCache`, hybrids).
 
     Examples
     --------
@@ -348,7 +349,9 @@ class ReuseSession:
     and ``num_return_sequences > 1`` (their result, several sequences, is not held). Models with sliding-window
     attention layers: ``"auto"`` chooses between exact prefixes and verified drafts from held caches with every row
     (``sliding_history=True``, the default; with False, exact prefixes only); ``"optimistic"`` is accepted, the
-    other approximate policies refuse such a model.
+    other approximate policies refuse such a model. Linear-attention hybrids: ``"auto"`` reuses exact prefixes
+    through held states; ``"optimistic"`` (asked for by name) drafts from another call's state over a shared span
+    and verifies the drafts (the answer is plain ``generate``'s); the other approximate policies refuse them.
     ``use_cache=False`` runs plain ``generate`` and holds nothing.
 
     Thread safety: one :meth:`generate` at a time (others wait); :attr:`nbytes`, :meth:`held` and ``len()`` may be
@@ -530,10 +533,18 @@ class ReuseSession:
 
     # -- generate --------------------------------------------------------------------------------------------
     def _check_policy_for_states(self, policy: str) -> None:
+        if policy == "optimistic":
+            from .hybrid import draft_refusal
+
+            why = draft_refusal(_generation_config_model(self.model))
+            if why:
+                raise ValueError(f"policy='optimistic' cannot draft on {type(self.model).__name__} (a "
+                                 f"linear-attention hybrid): {why}. Use policy 'auto' or 'prefix', or 'full'")
+            return
         if policy not in ("auto", "full", "prefix"):
             raise ValueError(f"policy={policy!r} reuses K/V that {type(self.model).__name__} does not have: its "
                              f"{self._state_reason}. Use policy 'auto' or 'prefix' (exact prefixes through held "
-                             "states), or 'full' (plain generate)")
+                             "states), 'optimistic' (verified drafts from held states), or 'full' (plain generate)")
 
     def generate(self, input_ids, agent: str | None = None, policy: str | None = None, **generate_kwargs):
         """``model.generate(input_ids, **generate_kwargs)`` with the session's caches reused.
@@ -576,6 +587,8 @@ class ReuseSession:
                     reason = f"{self._state_reason}: plain generate, nothing held" + (f" ({why})" if why else "")
                     return self._generate_uncached(ids, agent, policy, generate_kwargs, timed=opts.sequences == 1,
                                                    reason=reason)
+                if policy == "optimistic" and opts.sequences == 1:
+                    return self._generate_state_drafts(ids, agent, policy, generate_kwargs)
                 return self._generate_states(ids, agent, policy, generate_kwargs)
             if not opts.use_cache:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
@@ -674,6 +687,68 @@ class ReuseSession:
                 self._hold_state(sequences[0, :length].cpu(), copy.deepcopy(final), agent, producer, stats,
                                  boundaries=boundaries)
             stats.held_bytes = self.nbytes
+        self.calls += 1
+        self.last_stats = stats
+        return out
+
+    def _generate_state_drafts(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
+        """A recurrent-state model, ``"optimistic"``: an :class:`OptimisticCache` over every held state of this
+        producer (each with its block copies; exact donors: they are this model's own exact caches), whose verified
+        drafts make the answer plain ``generate``'s. Held after the call: the exact cache it ends with, carrying the
+        exact start's block copies and those its background prefill took."""
+        from .cache_classes.optimistic import OptimisticCache
+
+        n = ids.shape[1]
+        producer = self._producer()
+        with self._state:
+            held = [(k, e) for k, e in self._states.items() if e.producer == producer]
+        if not held:
+            return self._generate_states(ids, agent, policy, kwargs)
+        model = _generation_config_model(self.model)
+        donors = []
+        for _, e in held:  # a new list of the held layers: release_donor empties the wrapper, not the entry
+            w = state_cache(model)
+            w.layers = list(e.cache.layers)
+            donors.append(w)
+        cache = OptimisticCache(self.model, ids, donors, [e.ids[None] for _, e in held],
+                                donor_states=[dict(e.boundaries) for _, e in held], donor_exact=[True] * len(held),
+                                **{"min_span": self.min_span, "verify_donor": False, "rebase": self.rebase,
+                                   "state_every": self.state_block, **self.method_kwargs})
+        stats = SessionStats(policy=policy, method="optimistic", agent=agent, prompt_tokens=n, new_tokens=n)
+        out = self._timed_generate(ids, cache, kwargs, stats)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        cst, plan = cache.stats, cache.plan
+        stats.generated_tokens = int(sequences.shape[1] - n)
+        stats.exact, stats.exact_output = bool(cst.exact), bool(cst.exact_output)
+        stats.exact_prefix_tokens, stats.donor_tokens = plan.exact_len, plan.reused
+        stats.donor_calls = int(plan.span_donor >= 0)
+        stats.new_tokens, stats.background_tokens = cst.new_tokens, cst.background_tokens
+        stats.draft_ttft_s = cst.draft_ttft_s
+        stats.drafted_tokens, stats.accepted_tokens = cst.drafted_tokens, cst.accepted_tokens
+        stats.divergent_tokens = cst.divergent_tokens
+        stats.cache_stats = cst.as_dict()
+        if plan.span_donor < 0:
+            stats.method = "prefix" if plan.exact_len else "full"
+            stats.reason = ("recurrent-state layers: no held span saves min_span tokens over the exact start; "
+                            "exact prefill")
+        else:
+            stats.reason = (f"recurrent-state layers: a draft from a held call's state after its token "
+                            f"{plan.state_at} ({plan.reused} tokens reused), verified")
+        kept = {}
+        if plan.exact_donor >= 0:
+            kept = {b: snap for b, snap in held[plan.exact_donor][1].boundaries.items() if b <= plan.exact_len}
+        with self._state:
+            length = _state_length(cache)
+            if cst.exact and length is not None and n - 1 <= length <= sequences.shape[1]:
+                final = state_cache(model)
+                final.layers = [copy.deepcopy(layer) for layer in cache.layers]
+                self._hold_state(sequences[0, :length].cpu(), final, agent, producer, stats,
+                                 boundaries={**kept, **cache.state_snapshots})
+            stats.held_bytes = self.nbytes
+        for key, _ in held:
+            with self._state:
+                if key in self._states and plan.span_donor >= 0 and held[plan.span_donor][0] == key:
+                    self._states.move_to_end(key)
         self.calls += 1
         self.last_stats = stats
         return out

@@ -8,7 +8,9 @@ Exactness: over several calls sharing prefixes, every answer of ``ReuseSession(m
 ``self._state_reason`` branch (the session then takes its K/V path and raises on the linear-attention layer).
 """
 
+import contextlib
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from hf_kvreuse import OptimisticCache, ReuseSession
+from hf_kvreuse.generation.background import BackgroundPrefill
 from hf_kvreuse.hybrid import state_continues, state_layers
 from hf_kvreuse.models.arch_zoo import hybrid_model
 
@@ -134,15 +137,255 @@ def test_held_states_give_exact_prefixes(kind, data):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_explicit_reuse_refuses(kind):
+    """K/V-splicing policies refuse a hybrid, naming it; ``"optimistic"`` (verified drafts from held states) does
+    not; OptimisticCache refuses a donor that is not a cache of the model's layer kinds."""
     m = model(kind)
     name = type(m).__name__
-    for policy in ("optimistic", "blend"):
+    for policy in ("blend", "direct", "epic"):
         with pytest.raises(ValueError, match=name):
             ReuseSession(m, policy=policy)
+    ReuseSession(m, policy="optimistic")
     session = ReuseSession(m)
     with pytest.raises(ValueError, match="linear-attention"):
-        session.generate(torch.randint(3, 128, (1, 8)), policy="optimistic", max_new_tokens=2)
+        session.generate(torch.randint(3, 128, (1, 8)), policy="epic", max_new_tokens=2)
     assert session.calls == 0
-    with pytest.raises(ValueError, match=f"{name}.*linear-attention"):
-        ids = torch.randint(3, 128, (1, 8))
+    ids = torch.randint(3, 128, (1, 8))
+    with pytest.raises(ValueError, match=f"not a cache of {name}"):
         OptimisticCache(m, ids, DynamicCache(), ids)
+    with pytest.raises(ValueError, match="repair"):
+        OptimisticCache(m, ids, _donor(m, ids)[0], ids, repair="epic")
+
+
+# -- verified optimistic drafts on hybrids --------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _decayed(kind: str, decay: float):
+    """The tiny hybrid with every gated-delta head's decay set to ``decay`` (the random init forgets within a few
+    tokens; 0.02 keeps ~40, so a draft's borrowed state matters)."""
+    m = hybrid_model(kind)
+    with torch.no_grad():
+        for mod in m.modules():
+            if hasattr(mod, "A_log"):
+                mod.A_log.fill_(float(torch.tensor(decay).log()))
+    return m
+
+
+def _donor(m, ids, points=()):
+    """The model's own cache of ``ids`` (all but the last token, as generate leaves it) and copies of its
+    recurrent-state layers after each of ``points`` tokens."""
+    import copy
+
+    from hf_kvreuse.hybrid import state_indices
+
+    cache, snaps, pos = DynamicCache(config=m.config), {}, 0
+    with torch.no_grad():
+        for b in sorted(set(points) | {ids.shape[1] - 1}):
+            if b > pos:
+                m(input_ids=ids[:, pos:b], use_cache=True, logits_to_keep=1, past_key_values=cache)
+                pos = b
+            if b < ids.shape[1] - 1:
+                snaps[b] = {i: copy.deepcopy(cache.layers[i]) for i in state_indices(cache)}
+    return cache, snaps
+
+
+def _plain_kw(data, vocab_hit):
+    sample = data.draw(st.booleans(), label="sample")
+    kw = dict(max_new_tokens=data.draw(st.integers(1, 10), label="new"), do_sample=sample,
+              return_dict_in_generate=True, output_scores=True, output_logits=True)
+    if sample:
+        kw.update(top_k=data.draw(st.sampled_from([0, 5]), label="top_k"), temperature=1.0)
+    if data.draw(st.booleans(), label="penalty"):
+        kw["repetition_penalty"] = 1.3
+    if data.draw(st.booleans(), label="eos"):  # a token the answer may well produce ends it early
+        kw["eos_token_id"] = vocab_hit
+    return kw
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_hybrid_drafts_are_plain_generate(kind, data):
+    """OptimisticCache on a linear-attention hybrid, drafting from another prompt's cache over a shared block (the
+    block at another position: its attention rows re-positioned, the state layers the donor's copy at a point
+    inside the block), random prompts, donor state points and generate settings (greedy or seeded sampling,
+    top-k, repetition penalty, an early eos, 1-10 new tokens, ``max_optimistic_tokens``): the tokens, scores and
+    logits equal plain ``generate``'s, and the returned cache continues as plain ``generate``'s.
+
+    Planted bugs that fail it (docs/MUTATIONS.md): no rewind after a withdrawn draft (``_rewind_states`` returns at
+    once: the state layers carry the withdrawn drafts: later logits differ); the exact cache's state layers not
+    taken (``_take_exact`` keeps the draft's: every verified logit comes from the borrowed state)."""
+    decay = data.draw(st.sampled_from([None, 0.02, 0.005]), label="decay")
+    m = model(kind) if decay is None else _decayed(kind, decay)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 10_000), label="seed"))
+    R = lambda k: torch.randint(3, 128, (1, k), generator=g)  # noqa: E731
+    block = R(data.draw(st.integers(8, 60), label="block"))
+    role_a, role_b = R(data.draw(st.integers(1, 12), label="role_a")), R(data.draw(st.integers(1, 12), label="role_b"))
+    same = data.draw(st.booleans(), label="same_role")  # the donor is this agent's own exact cache of a prefix
+    if same:
+        role_b = role_a
+    donor_ids = torch.cat([role_a, block, R(data.draw(st.integers(1, 8), label="q_a"))], 1)
+    target = torch.cat([role_b, block, R(data.draw(st.integers(1, 8), label="q_b"))], 1)
+    points = data.draw(st.lists(st.integers(1, donor_ids.shape[1] - 2), max_size=4), label="points")
+    dcache, snaps = _donor(m, donor_ids, points)
+    kw = _plain_kw(data, int(target[0, -1]))
+    limit = data.draw(st.sampled_from([None, 1, 4, 16]), label="max_optimistic_tokens")
+    cache = OptimisticCache(m, target, dcache, donor_ids, donor_states=snaps, max_optimistic_tokens=limit,
+                            min_span=data.draw(st.sampled_from([1, 4]), label="min_span"), donor_exact=same)
+    # held: the exact cache is never ready on its own (the swap comes at max_optimistic_tokens, or the drafts run to
+    # the end): every draft is verified, whatever the machine's speed
+    held = data.draw(st.booleans(), label="held")
+    torch.manual_seed(7)
+    with mock.patch.object(BackgroundPrefill, "ready", lambda self: False) if held else contextlib.nullcontext():
+        out = m.generate(target, attention_mask=torch.ones_like(target), past_key_values=cache, **kw)
+    torch.manual_seed(7)
+    ref = m.generate(target, attention_mask=torch.ones_like(target), **kw)
+    assert torch.equal(out.sequences, ref.sequences), cache.plan
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert cache.stats.exact and cache.stats.exact_output
+    assert out.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()  # what generate leaves
+    # the returned cache continues: 3 more tokens after the answer, greedily
+    more = torch.cat([out.sequences, R(3)], 1)
+    greedy = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    a = m.generate(more, attention_mask=torch.ones_like(more), past_key_values=out.past_key_values, **greedy)
+    b = m.generate(more, attention_mask=torch.ones_like(more), **greedy)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_session_drafts(kind):
+    """``ReuseSession(policy="optimistic")`` on a hybrid: three agents, each prompt its role text, then one shared
+    document, the transcript and a cue, two rounds. Every answer (tokens and logits) = plain ``generate``'s;
+    later calls draft from held calls' states (``donor_tokens`` > 0) and keep drafts; the caller continues each
+    returned cache. Planted bug that fails it: the session holds the returned cache's layers, not copies of them
+    (``final.layers = list(cache.layers)``: the caller's continuation moves the held states on: later answers
+    differ)."""
+    m = _decayed(kind, 0.02)
+    g = torch.Generator().manual_seed(3)
+    R = lambda k: torch.randint(3, 128, (1, k), generator=g)  # noqa: E731
+    doc, roles = R(90), [R(9), R(13), R(7)]
+    session = ReuseSession(m, policy="optimistic", state_block=16)
+    transcript = torch.empty(1, 0, dtype=torch.long)
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    drafted = accepted = reused = 0
+    for _ in range(2):
+        for role in roles:
+            ids = torch.cat([role, doc, transcript, R(4)], 1)
+            out = session.generate(ids, **kw)
+            ref = m.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            assert torch.equal(out.sequences, ref.sequences)
+            for a, b in zip(out.logits, ref.logits):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            st_ = session.last_stats
+            assert st_.exact_output
+            reused += st_.donor_tokens
+            drafted += st_.drafted_tokens or 0
+            accepted += st_.accepted_tokens or 0
+            transcript = torch.cat([transcript, out.sequences[:, ids.shape[1]:]], 1)
+            # the caller goes on with the returned cache (it is theirs: feeding it must not change what is held)
+            more = torch.cat([out.sequences, R(2)], 1)
+            m.generate(more, attention_mask=torch.ones_like(more), past_key_values=out.past_key_values,
+                       max_new_tokens=2, do_sample=False)
+    assert reused > 0 and drafted > 0 and accepted > 0
+
+
+def test_plan_draft():
+    """The plan computes the fewest tokens: an exact start, then one span cut at a state point; a span that saves
+    fewer than ``min_reuse`` tokens is not used; an exact start inside a span trims it."""
+    from hf_kvreuse.alignment import Span
+    from hf_kvreuse.hybrid import plan_draft
+
+    target = torch.arange(100)
+    donor = torch.cat([torch.arange(1000, 1010), torch.arange(5, 95)])  # target[5:95] at donor 10..100
+    spans = [Span(donor_start=10, target_start=5, length=90, donor=0)]
+    plan = plan_draft(spans, target, [donor], [[40, 80]], [False], covered=99, min_reuse=4)
+    assert (plan.exact_len, plan.span_donor_start, plan.span_target, plan.state_at) == (0, 10, 5, 80)
+    assert plan.reused == 70 and plan.resume == 75 and plan.computed(99) == 5 + 24
+    none = plan_draft(spans, target, [donor], [[12]], [False], covered=99, min_reuse=4)
+    assert none.span_donor == -1 and none.computed(99) == 99  # 2 tokens saved < min_reuse
+    # a second, exact donor: the target's first 30 tokens, a state after 20: the span starts there
+    own = torch.arange(30)
+    spans2 = spans + [Span(donor_start=0, target_start=0, length=30, donor=1)]
+    plan = plan_draft(spans2, target, [donor, own], [[40, 80], [20, 30]], [False, True], covered=99, min_reuse=4)
+    assert (plan.exact_donor, plan.exact_len, plan.span_target, plan.span_donor_start, plan.state_at) == (1, 30, 30, 35, 80)
+
+
+def test_background_snapshots_are_the_states_of_a_shorter_prefill():
+    """BackgroundPrefill(start_cache=..., snapshot_every=k): each copy equals the state layers after a prefill of
+    exactly that many tokens (planted bug: a copy taken one chunk late differs)."""
+    from hf_kvreuse.generation.background import BackgroundPrefill
+    from hf_kvreuse.hybrid import state_cache
+
+    m = _decayed("qwen3_5_text", 0.02)
+    ids = torch.randint(3, 128, (1, 37), generator=torch.Generator().manual_seed(0))
+    job = BackgroundPrefill(m, ids, synchronous=True, start_cache=state_cache(m), snapshot_every=16).start()
+    cache = job.result()
+    assert sorted(job.snapshots) == [16, 32] and cache.get_seq_length() == 37
+    for b, snap in job.snapshots.items():
+        ref, _ = _donor(m, ids[:, : b + 1])
+        for i, layer in snap.items():
+            torch.testing.assert_close(layer.recurrent_states[0], ref.layers[i].recurrent_states[0])
+            torch.testing.assert_close(layer.conv_states[0], ref.layers[i].conv_states[0])
+
+
+def test_hybrid_donor_of_another_model_is_refused():
+    """A hybrid donor cache computed by another model of the same shape is refused (its first attention layer's
+    keys over the first tokens differ), unless ``verify_donor=False``."""
+    m, other = model("qwen3_5_text"), hybrid_model("qwen3_5_text", seed=5)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    cache, _ = _donor(other, ids)
+    with pytest.raises(ValueError, match="not computed by this model"):
+        OptimisticCache(m, ids, cache, ids)
+    OptimisticCache(m, ids, cache, ids, verify_donor=False)
+    with pytest.raises(ValueError, match="donor_states"):
+        OptimisticCache(m, ids, _donor(m, ids)[0], ids, donor_states=[{5: {}}])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("wrong_at", [0, 3, None])
+def test_hybrid_rejection_rewinds_the_state(kind, wrong_at):
+    """A planted wrong draft (the ``wrong_at``-th): the drafts before it are kept, it is replaced by the exact
+    choice, and since a recurrent state cannot be cut back, the states are restored from their copy and the kept
+    tokens fed again (``rerun_tokens`` = kept + 1); the output (tokens, logits) and the returned cache's
+    continuation are plain ``generate``'s. No planted draft (``None``): every draft is kept and ends the generation;
+    nothing is fed again (the replay leaves out the last token, which generate never feeds).
+
+    Planted bugs that fail it: no rewind (``_rewind_states`` returns at once: the state layers also carry the
+    withdrawn drafts, so every later logit differs); the replay always feeds the last draft (``fed`` not cut:
+    ``rerun_tokens`` 4 where nothing needs feeding again)."""
+    m = model(kind)  # the random init's fast decay: the unplanted drafts are all right here
+    g = torch.Generator().manual_seed(11)
+    R = lambda k: torch.randint(3, 128, (1, k), generator=g)  # noqa: E731
+    block = R(40)
+    donor_ids, target = torch.cat([R(5), block, R(4)], 1), torch.cat([R(7), block, R(4)], 1)
+    dcache, snaps = _donor(m, donor_ids, [30])
+    new = 10 if wrong_at is not None else 4  # unplanted, the first 4 drafts are right on both models
+    kw = dict(max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = m.generate(target, attention_mask=torch.ones_like(target), **kw)
+    wrong = int((ref.sequences[0, target.shape[1] + (wrong_at or 0)] + 1) % 128)
+    after = OptimisticCache.after_forward
+
+    def plant(self, outputs):
+        if not self._swapped and self._forwards == wrong_at:  # the forward that scores that draft
+            outputs.logits[0, -1, wrong] = 1e4
+        return after(self, outputs)
+
+    cache = OptimisticCache(m, target, dcache, donor_ids, donor_states=snaps,
+                            max_optimistic_tokens=8 if wrong_at is not None else None)
+    with mock.patch.object(BackgroundPrefill, "ready", lambda self: False), \
+            mock.patch.object(OptimisticCache, "after_forward", plant):
+        out = m.generate(target, attention_mask=torch.ones_like(target), past_key_values=cache, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if wrong_at is None:
+        assert (cache.stats.accepted_tokens, cache.stats.rerun_tokens) == (4, 0)
+    else:
+        assert (cache.stats.accepted_tokens, cache.stats.rerun_tokens) == (wrong_at, wrong_at + 1)
+    more = torch.cat([out.sequences, R(3)], 1)
+    greedy = dict(max_new_tokens=3, do_sample=False)
+    assert torch.equal(m.generate(more, attention_mask=torch.ones_like(more), past_key_values=out.past_key_values,
+                                  **greedy), m.generate(more, attention_mask=torch.ones_like(more), **greedy))

@@ -45,6 +45,8 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
     multi_turn: bool = False
     #: serves models with sliding-window attention layers (their K/V kept as transformers' own layers keep them)
     sliding_ok: bool = False
+    #: serves linear-attention hybrids (recurrent-state layers beside attention layers; :mod:`hf_kvreuse.hybrid`)
+    states_ok: bool = False
 
     def __init__(self, model, **kwargs):
         from ..model_check import require
@@ -54,14 +56,23 @@ class KVReuseCache(DynamicCache, ReuseCacheHooks):
             raise ValueError(f"{type(self).__name__} does not support {type(model).__name__}: it has sliding-window "
                              "attention layers (OptimisticCache and ReuseSession serve such models)")
         states = state_reason(model.config)
-        if states:
+        requires = self.requires
+        if states and not self.states_ok:
             raise ValueError(f"{type(self).__name__} cannot serve {type(model).__name__}: its {states}")
+        if states:
+            from ..hybrid import draft_refusal
+
+            why = draft_refusal(model)
+            if why:
+                raise ValueError(f"{type(self).__name__} cannot serve {type(model).__name__} (a linear-attention "
+                                 f"hybrid): {why}")
+            requires = {"rope": True} if self.requires.get("rope") else {}  # nothing recomputes rows in place
         attn = base_attn(model.config) or "eager"  # not a partial forward's swap in another thread
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn!r} is not supported by {type(self).__name__}: partial "
                              "recompute needs a 4D position mask; load the model with 'sdpa' or 'eager'")
-        if self.requires:
-            self.model_check = require(model, who=type(self).__name__, **self.requires)
+        if requires:
+            self.model_check = require(model, who=type(self).__name__, **requires)
         self.model = model
         self.logical_offset = 0
         self.stats: Any = {}

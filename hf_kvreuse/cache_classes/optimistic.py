@@ -37,6 +37,8 @@ algorithm of METHODS.md §2.1, whose details are our reading of the abstract). A
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -44,11 +46,13 @@ import torch
 from transformers import Cache, StoppingCriteria, StoppingCriteriaList
 
 from ..alignment import Alignment, align_multi
-from ..compat import cache_kwargs
+from ..compat import cache_kwargs, init_layer
 from ..devices import offloaded
 from ..generation.background import BackgroundPrefill, ThreadBudget
 from ..generation.fused import PendingRows, returns_internals
 from ..generation.partial import partial_forward
+from ..hybrid import attention_rows, check_state_donor, copy_states, plan_draft, rewind, state_at, state_cache, \
+    state_indices
 from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
@@ -126,6 +130,9 @@ class OptimisticStats:
     fused_first_step : bool
         The unmatched (and ``repair="epic"``) rows were computed in the first token's forward
         (``fuse_first_step``), not before it.
+    rerun_tokens : int
+        Linear-attention hybrids under ``"verify"``: tokens fed again after the verification withdrew a draft (a
+        recurrent state cannot be cut back; it is restored from its copy at the prompt and the kept tokens rerun).
     background_start : str or None
         When this call's exact prefill started, ``background_start="auto"`` resolved: ``"immediate"`` or
         ``"after_first_token"`` (None: no background job, ``max_optimistic_tokens=0``).
@@ -163,6 +170,7 @@ class OptimisticStats:
     gated_step: int | None = None           # commit + gate: the step whose uncertain logits triggered the swap
     gate_reason: str | None = None          # "margin" (below gate) or "token" (a decisive token was due)
     repaired_tokens: int = 0                # reused rows recomputed before the first token (repair=)
+    rerun_tokens: int = 0                   # hybrids, verify: kept tokens fed again after a withdrawn draft
     background_start: str | None = None     # "immediate" or "after_first_token" ("auto" resolved)
     fused_first_step: bool = False          # the unmatched rows were computed in the first token's forward
     draft_margins: list[float] = field(default_factory=list, repr=False)  # p1 - p2 at every optimistic step
@@ -284,9 +292,24 @@ class OptimisticCache(KVReuseCache):
     ``window - 1`` rows), as does the exact cache. A donor must hold every row of every layer (a cache longer than
     the window keeps only the window there: refused; ReuseSession's held caches and
     :func:`hf_kvreuse.sliding.take_history` give every row). The first step is not fused on these models.
+
+    Linear-attention hybrids (Qwen3.5, Qwen3-Next: recurrent-state layers beside attention layers,
+    :mod:`hf_kvreuse.hybrid`): a recurrent state sums its whole prefix and stands for exactly the tokens it was
+    taken after, so a draft reuses one donor span, cut where a copy of that donor's state exists (``donor_states``;
+    the donor cache's own state counts for its last token): the prompt's start comes from an exact donor's state
+    where one is a prefix of it (else it is computed), the tokens up to the span are computed, the span's attention
+    rows are the donor's re-positioned and every state layer takes the donor's state at the span's end, and the
+    prompt after it is computed over that cache. Where no span saves ``min_span`` tokens and half of what the exact
+    start leaves to compute, there is no draft: the exact cache is built before the first token (exact start + the
+    rest). The exact prefill runs in the background from the exact start, copying its
+    states every ``state_every`` tokens (``state_snapshots``: later calls draft or start from them). Under
+    ``"verify"`` a rejected draft costs one more forward over the kept tokens (a state cannot be cut back: it is
+    restored from a copy taken before the replay and the kept tokens are fed again; ``stats.rerun_tokens``).
+    ``repair`` does not apply.
     """
 
     sliding_ok = True
+    states_ok = True
 
     def __init__(self, model, input_ids: torch.Tensor | None, donor_cache: Cache | list, donor_ids, *,
                  max_optimistic_tokens: int | None = 16, record_divergence: bool = True, min_span: int = 4,
@@ -296,11 +319,18 @@ class OptimisticCache(KVReuseCache):
                  donor_exact: bool | list = False, verify_donor: bool = True,
                  rebase: Literal["verify", "commit"] = "verify", gate: float | None = None,
                  gate_tokens=None, repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
-                 repair_tokens: int = 16, fuse_first_step: bool = True, sliding_history: bool = False):
+                 repair_tokens: int = 16, fuse_first_step: bool = True, sliding_history: bool = False,
+                 donor_states=None, state_every: int = 256):
         from ..generation.mixin import enable
 
         super().__init__(model)
         enable(model)
+        # recurrent-state layers of a linear-attention hybrid ([] for attention-only models)
+        self._states = state_indices(self) or []
+        if state_every < 0:
+            raise ValueError(f"state_every must be >= 0, got {state_every}")
+        self.state_every = int(state_every)
+        self.state_snapshots: dict = {}
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
         # sliding-window layers (None: full attention): assembled over every row, kept as transformers keeps them
         self._windows = layer_windows(model.config)
@@ -341,6 +371,9 @@ class OptimisticCache(KVReuseCache):
             raise ValueError(f"repair={repair!r}: choose None, 'blend' or 'epic'")
         if not 0.0 <= repair_ratio <= 1.0 or repair_tokens < 0:
             raise ValueError("repair_ratio must be in [0, 1] and repair_tokens >= 0")
+        if repair is not None and self._states:
+            raise ValueError(f"repair={repair!r} does not apply to {type(model).__name__}: its recurrent-state layers "
+                             "cannot recompute rows in place (drafts there reuse one span and compute the rest)")
         if repair == "blend" and any(self._windows):
             raise ValueError(f"repair='blend' does not support {type(model).__name__}: it has sliding-window "
                              "layers (repair='epic' or None do)")
@@ -368,6 +401,7 @@ class OptimisticCache(KVReuseCache):
         self._threads_lowered = False
         self.verify_donor = verify_donor
         self._donor_lens = [self._check_donor(c, d) for c, d in zip(self.donor_caches, self.donor_ids_list)]
+        self._points = self._check_donor_states(donor_states) if self._states else None
         self.stats.donors = len(caches)
 
     @property
@@ -391,7 +425,8 @@ class OptimisticCache(KVReuseCache):
         self._pending = None
         # the fused first step's masks know no sliding window: such models compute their rows before it
         self._fuse = (self.fuse_first_step and self.repair != "blend" and not any(self._windows)
-                      and not returns_internals(model, generate_kwargs))
+                      and not self._states and not returns_internals(model, generate_kwargs))
+        self._no_draft = False
         n = self.input_ids.shape[1]
         on_cuda = self.input_ids.device.type == "cuda"
         synchronous = self.max_optimistic_tokens == 0
@@ -401,6 +436,8 @@ class OptimisticCache(KVReuseCache):
             self._budget = ThreadBudget.acquire()
         baseline, running = self._budget or (torch.get_num_threads(), 1)
         self._fg_threads = baseline
+        if self._states:
+            return self._prepare_states(baseline, running, synchronous, on_cuda)
         al = self.alignment = self._align()
         prefix_kv = None
         if al.prefix_len and self.donor_exact[al.prefix_donor]:
@@ -425,6 +462,76 @@ class OptimisticCache(KVReuseCache):
         self._assemble()
         self.stats.assemble_s = now(self.input_ids.device) - t
 
+    @torch.no_grad()
+    def _prepare_states(self, baseline: int, running: int, synchronous: bool, on_cuda: bool) -> None:
+        """A linear-attention hybrid (class Notes): plan the draft, start the exact prefill from the exact start,
+        assemble the draft."""
+        n = self.input_ids.shape[1]
+        covered = n - 1
+        self.alignment = self._align()
+        # one span per draft, cut at a state copy: every donor's own matches are candidates (the joint alignment
+        # would keep one donor per region, perhaps one without a copy inside it)
+        spans = [dataclasses.replace(sp, donor=d) for d, ids in enumerate(self.donor_ids_list)
+                 for sp in align_multi([ids], self.input_ids, min_span=self.min_span,
+                                       donor_limits=[self._donor_lens[d]], target_limit=covered).spans]
+        plan = self.plan = plan_draft(spans, self.input_ids[0], [d[0] for d in self.donor_ids_list], self._points,
+                                      self.donor_exact, covered, self.min_span)
+        self._no_draft = plan.span_donor < 0  # nothing saves min_span tokens: the draft would be the exact cache
+        self.stats.prefix_tokens = plan.exact_len
+        self.stats.background_tokens = covered - plan.exact_len
+        self.job = BackgroundPrefill(
+            self.model, self.input_ids[:, :covered], chunk_tokens=self.background_chunk_tokens,
+            cpu_threads=self.background_threads or max(1, baseline // running), max_threads=baseline,
+            synchronous=synchronous or self._no_draft, start_cache=self._state_at(plan.exact_donor, plan.exact_len),
+            snapshot_every=self.state_every)
+        if synchronous or self._no_draft:
+            self.stats.new_tokens = self.stats.background_tokens + 1
+            self.stats.reused_tokens = plan.exact_len
+            return
+        at_once = self.background_start == "immediate" or (
+            self.background_start == "auto" and (on_cuda or self.rebase == "verify"))
+        self.stats.background_start = "immediate" if at_once else "after_first_token"
+        if at_once:
+            self._start_background()
+        t = now(self.input_ids.device)
+        self._assemble_states(plan, covered)
+        self.stats.assemble_s = now(self.input_ids.device) - t
+
+    def _assemble_states(self, plan, covered: int) -> None:
+        """The draft of a hybrid's prompt (``plan``: :class:`hf_kvreuse.hybrid.DraftPlan`) loaded into this cache."""
+        ids = self.input_ids
+        cache = self._state_at(plan.exact_donor, plan.exact_len)
+
+        def run(a: int, b: int) -> None:
+            if b > a:
+                pos = torch.arange(a, b, device=ids.device)[None]
+                self.model(input_ids=ids[:, a:b], position_ids=pos, use_cache=True, logits_to_keep=1,
+                           **cache_kwargs(cache))
+
+        run(plan.exact_len, plan.span_target)
+        donor = self.donor_caches[plan.span_donor]
+        snap = (self._donor_states[plan.span_donor].get(plan.state_at)
+                if plan.state_at != self._donor_lens[plan.span_donor] else None)
+        a, b = plan.span_donor_start, plan.state_at
+        for i, layer in enumerate(cache.layers):
+            if i in self._states:  # the donor's state after the span's last reused token
+                cache.layers[i] = copy.deepcopy(snap[i] if snap is not None else donor.layers[i])
+                continue
+            dk, dv = donor.layers[i].keys[..., a:b, :], donor.layers[i].values[..., a:b, :]
+            k = alloc_layer(dk, b - a)
+            copy_shifted_(k, dk, self._shifter.for_layer(i), plan.delta)
+            if getattr(layer, "keys", None) is None or not layer.keys.numel():
+                init_layer(layer, k, dv)
+                layer.keys, layer.values = k, dv.clone()
+            else:
+                layer.keys, layer.values = torch.cat([layer.keys, k], -2), torch.cat([layer.values, dv], -2)
+        run(plan.resume, covered)
+        self.layers[:] = cache.layers
+        self.logical_offset = 0
+        self.stats.fused_first_step = False
+        self.stats.reused_tokens = plan.exact_len + plan.reused
+        self.stats.new_tokens = plan.computed(covered) + 1
+
     def _start_background(self) -> None:
         if self.job.started:
             return
@@ -440,6 +547,8 @@ class OptimisticCache(KVReuseCache):
 
     def _check_donor(self, donor_cache, donor_ids: torch.Tensor) -> int:
         """Validate a donor against the model; return how many donor tokens have K/V."""
+        if self._states:
+            return self._check_state_donor(donor_cache, donor_ids)
         donor_kv = kv_of(donor_cache)
         rows = {k.shape[-2] for k, _ in donor_kv}
         # a transformers sliding layer that has seen more tokens than it holds: its first rows are gone
@@ -467,6 +576,63 @@ class OptimisticCache(KVReuseCache):
         if self.verify_donor:
             check_donor(self.model, donor_cache, donor_ids, donor_len, who=type(self).__name__)
         return donor_len
+
+    def _check_state_donor(self, donor_cache, donor_ids: torch.Tensor) -> int:
+        """A hybrid's donor: a cache of this model's own layer kinds (the same recurrent-state layers); return how
+        many tokens its attention layers hold (its states stand for as many)."""
+        name = type(self.model).__name__
+        states = state_indices(donor_cache)
+        if states != self._states or len(donor_cache.layers) != len(self.layers):
+            raise ValueError(f"donor_cache is not a cache of {name}: its recurrent-state layers are {states}, the "
+                             f"model's {self._states} ({len(getattr(donor_cache, 'layers', []))} layers, the model "
+                             f"{len(self.layers)}). Pass the cache this model's generate returned")
+        donor_len = attention_rows(donor_cache, states)
+        first = next(i for i in range(len(self.layers)) if i not in states)
+        k0 = donor_cache.layers[first].keys
+        kv_heads, head_dim = self.model_check.kv_heads, self.model_check.head_dim
+        if donor_len and (k0.shape[0] != 1 or k0.shape[1] != kv_heads or k0.shape[-1] != head_dim):
+            raise ValueError(f"donor_cache K/V shape {tuple(k0.shape)} does not fit this model "
+                             f"(batch 1, {kv_heads} KV heads of size {head_dim})")
+        if donor_ids.shape[1] < donor_len:
+            raise ValueError(f"donor_ids has {donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
+        if self.verify_donor:
+            check_state_donor(self.model, donor_cache, donor_ids, donor_len, states, type(self).__name__)
+        return donor_len
+
+    def _check_donor_states(self, donor_states) -> list[list[int]]:
+        """Each donor's state points: token counts where a copy of its recurrent-state layers exists (its own last
+        token, and the keys of ``donor_states[d]``: ``{tokens: {layer index: layer copy}}``)."""
+        k = len(self.donor_caches)
+        given = [None] * k if donor_states is None else (
+            list(donor_states) if isinstance(donor_states, (list, tuple)) else [donor_states])
+        if len(given) != k:
+            raise ValueError(f"donor_states has {len(given)} entries for {k} donors (one dict or None per donor)")
+        self._donor_states = []
+        points = []
+        for d, snaps in enumerate(given):
+            snaps = dict(snaps or {})
+            for b, snap in snaps.items():
+                if not isinstance(b, int) or not 0 < b <= self._donor_lens[d]:
+                    raise ValueError(f"donor_states[{d}] has a state at {b!r} tokens; donor {d} holds "
+                                     f"{self._donor_lens[d]} (a positive token count at most that)")
+                if not isinstance(snap, dict) or sorted(snap) != self._states:
+                    raise ValueError(f"donor_states[{d}][{b}] must map each recurrent-state layer {self._states} to "
+                                     "a copy of that layer")
+            self._donor_states.append(snaps)
+            points.append(sorted(set(snaps) | ({self._donor_lens[d]} if self._donor_lens[d] else set())))
+        return points
+
+    def _state_at(self, donor: int, tokens: int):
+        """A new cache of this model standing for the first ``tokens`` tokens of donor ``donor`` (-1 or 0 tokens:
+        an empty one)."""
+        if donor < 0 or tokens == 0:
+            return state_cache(self.model)
+        cache = self.donor_caches[donor]
+        snap = (self._donor_states[donor].get(tokens) if tokens != self._donor_lens[donor] else None)
+        new = state_cache(self.model)
+        new.layers = state_at(cache, tokens, snap if snap is not None else
+                              {i: cache.layers[i] for i in self._states}).layers
+        return new
 
     def _align(self) -> Alignment:
         return align_multi(self.donor_ids_list, self.input_ids, min_span=self.min_span, donor_limits=self._donor_lens,
@@ -544,10 +710,10 @@ class OptimisticCache(KVReuseCache):
         if self.rebase == "verify":
             # drafts are verified after the drafting generate ends (drive); only an exact cache that is ready
             # before the first token is swapped in here (then there is nothing to verify)
-            if generated == 0 and (self.job.ready() or limit == 0):
+            if generated == 0 and (self.job.ready() or limit == 0 or self._no_draft):
                 return self._swap_in(input_ids), {"logits_to_keep": 1}
             return next_sequence_length, {}
-        if not (self.job.ready() or (limit is not None and generated >= limit)):
+        if not (self.job.ready() or self._no_draft or (limit is not None and generated >= limit)):
             return next_sequence_length, {}
         feed = self._swap_in(input_ids)
         keep = feed if (self.record_divergence and generated > 0) else 1
@@ -564,6 +730,13 @@ class OptimisticCache(KVReuseCache):
         self._pending = None    # an exact cache before the first token: no optimistic rows to compute
         self.stats.wait_s += now(self.input_ids.device) - t
         self._restore_threads()
+        if self._states:  # a hybrid: the job's whole cache (its states are not K/V)
+            self.layers[:] = kv.layers
+            self.state_snapshots = dict(self.job.snapshots)
+            self.logical_offset = 0
+            self._swapped = True
+            self.stats.exact = True
+            return
         load_kv(self, kv, seq_length=self.input_ids.shape[1] - 1)  # every row given: sliding layers keep theirs
         if self.sliding_history:  # and keep every row on the side from here on
             keep_history(self, self._windows, kv)
@@ -746,7 +919,13 @@ class OptimisticCache(KVReuseCache):
         sliding = any(self._windows)
         if sliding and not self.sliding_history:  # a sliding layer drops rows as the replay passes its window:
             keep_rows(self, self._windows)     # keep them to cut back to
-        logits = self.model(input_ids=seq[:, n - 1:], position_ids=pos, use_cache=True, logits_to_keep=0,
+        saved = copy_states(self, self._states) if self._states else None  # a state cannot be cut back: a copy
+        could_end, fed = None, n + g
+        if saved is not None:  # drafts that would end the generation if all kept: their last token is not fed, so
+            could_end = bool(criteria(seq, out.scores[-1]).all())  # that the state stands for what generate leaves
+            fed -= int(could_end)
+            pos = pos[:, : fed - n + 1]
+        logits = self.model(input_ids=seq[:, n - 1:fed], position_ids=pos, use_cache=True, logits_to_keep=0,
                             **cache_kwargs(self)).logits[0].float()      # [g + 1, V]: row i scores token n + i
         scores = self.process_logits(seq, logits, n)
         drafts = seq[0, n:].to(scores.device)
@@ -757,12 +936,16 @@ class OptimisticCache(KVReuseCache):
         else:
             choice = scores.argmax(-1)
             j = int((choice[:g] == drafts).long().cumprod(0).sum())  # the one host sync of the verification
-            nxt = choice[j]
+            nxt = choice[min(j, choice.shape[0] - 1)]  # no row g when the drafts could end it: unused if they do
         self.stats.accepted_tokens, self.stats.rejected_tokens = j, g - j
-        ends = j == g and bool(criteria(seq, scores[g - 1: g]).all())
+        ends = j == g and (could_end if could_end is not None else bool(criteria(seq, scores[g - 1: g]).all()))
         # every layer back to the exact rows of the prompt and the kept drafts; when the drafts end the generation
         # (EOS, length, stop string), every token but the last (never fed), as after plain generate
-        crop_rows(self, self._windows, n + j - (1 if ends else 0), keep=self.sliding_history)
+        rows_kept = n + j - (1 if ends else 0)
+        if saved is not None:
+            self._rewind_states(saved, seq, rows_kept, fed)
+        else:
+            crop_rows(self, self._windows, rows_kept, keep=self.sliding_history)
         kept = seq[:, : n + j]
         rows = list(scores[: j].unsqueeze(1)), list(logits[: j].unsqueeze(1))
         if ends:
@@ -775,6 +958,19 @@ class OptimisticCache(KVReuseCache):
         rows[1].append(logits[j: j + 1])
         self.stats.ttft_s = now(self.input_ids.device) - self._t0
         return seq, rows[0], rows[1], bool(criteria(seq, scores[j: j + 1]).all())
+
+    def _rewind_states(self, saved: dict, seq: torch.Tensor, rows: int, replayed: int) -> None:
+        """A hybrid after the replay of its drafts (``replayed`` tokens): back to the first ``rows`` tokens; the
+        states from their copy at the prompt, then the kept tokens fed again."""
+        if rows == replayed:
+            return
+        n = self.input_ids.shape[1]
+        rewind(self, saved, n - 1)
+        if rows > n - 1:
+            pos = torch.arange(n - 1, rows, device=seq.device)[None]
+            self.model(input_ids=seq[:, n - 1:rows], position_ids=pos, use_cache=True, logits_to_keep=1,
+                       **cache_kwargs(self))
+        self.stats.rerun_tokens = rows - (n - 1)
 
     @staticmethod
     def _as_requested(out, want: dict):
@@ -859,7 +1055,10 @@ class OptimisticCache(KVReuseCache):
             self.stats.exact_output = error is None and (self.rebase == "verify" or not self.stats.optimistic_tokens)
             if self.release_donor:
                 for cache in self.donor_caches:
-                    release_kv(cache)
+                    if self._states:
+                        cache.layers.clear()  # a hybrid's states are not K/V: the layers go
+                    else:
+                        release_kv(cache)
             self.donor_caches = []  # the donor is not needed any more; do not keep its memory alive
             if job is not None:
                 if job.ready():

@@ -139,16 +139,36 @@ class BackgroundPrefill:
         Each layer's sliding window (:func:`hf_kvreuse.sliding.layer_windows`): the sliding layers also keep every
         row on the side (``prefix_kv`` then holds every row of those layers too), and :meth:`result` gives every
         row of every layer.
+    start_cache : transformers Cache, optional
+        Models with recurrent-state layers (:mod:`hf_kvreuse.hybrid`): a cache of the model's own layer kinds
+        standing for the first tokens of ``input_ids`` (empty: none), which the job owns and fills;
+        :meth:`result` then returns that cache whole (its states cannot be given as K/V). Not with ``prefix_kv``.
+    snapshot_every : int, default=0
+        With ``start_cache``: prefill in chunks ending at multiples of this many tokens and keep a copy of the
+        recurrent-state layers at each (``snapshots``: ``{tokens: {layer index: copy}}``), the points where a
+        later call can start from or draft with them. 0: none.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, chunk_tokens: int | None = None, cpu_threads: int = 1,
                  max_threads: int | None = None, synchronous: bool = False, prefix_kv: KV | None = None,
-                 windows: list | None = None):
+                 windows: list | None = None, start_cache=None, snapshot_every: int = 0):
+        from ..hybrid import attention_rows, state_indices
+
         self.model, self.input_ids = model, input_ids
         self.windows = windows if windows and any(windows) else None
         self.prefix_kv = prefix_kv
         self.prefix_len = prefix_kv[0][0].shape[-2] if prefix_kv else 0
-        if self.prefix_len >= input_ids.shape[1] and input_ids.shape[1]:
+        self.start_cache, self.snapshot_every, self.snapshots = start_cache, int(snapshot_every), {}
+        self._states = None
+        if start_cache is not None:
+            if prefix_kv or self.windows is not None:
+                raise ValueError("start_cache replaces prefix_kv and windows")
+            self._states = state_indices(start_cache)
+            if self._states is None:
+                raise ValueError("start_cache must hold K/V layers and recurrent-state layers only")
+            self.prefix_len = attention_rows(start_cache, self._states)
+        if self.prefix_len > input_ids.shape[1] or (self.prefix_len == input_ids.shape[1] and input_ids.shape[1]
+                                                    and start_cache is None):
             raise ValueError(f"prefix_kv covers {self.prefix_len} tokens of a {input_ids.shape[1]}-token prefill")
         self.chunk_tokens, self.cpu_threads, self.synchronous = chunk_tokens, cpu_threads, synchronous
         self.max_threads = max_threads or torch.get_num_threads()
@@ -168,6 +188,8 @@ class BackgroundPrefill:
 
     # -- worker --------------------------------------------------------------------------------------------
     def _prefill(self) -> DynamicCache:
+        if self.start_cache is not None:
+            return self._prefill_states()
         cache = DynamicCache(config=self.model.config)
         if self.prefix_kv:
             # DynamicCache appends by concatenation: the caller's prefix tensors are never written
@@ -187,6 +209,30 @@ class BackgroundPrefill:
             e = min(s + step, ids.shape[1])
             pos = torch.arange(s, e, device=ids.device)[None]
             self.model(input_ids=ids[:, s:e], position_ids=pos, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+        return cache
+
+    def _prefill_states(self):
+        """A recurrent-state model: fill ``start_cache`` in chunks (ending at the snapshot points), copying the
+        state layers at each point."""
+        from ..hybrid import copy_states
+
+        cache, ids, every = self.start_cache, self.input_ids, self.snapshot_every
+        s, end = self.prefix_len, ids.shape[1]
+        threads = None
+        while s < end:
+            if self._cancel.is_set():
+                raise _Cancelled()
+            if not self.on_cuda and not self.synchronous and threads != self._threads_wanted:
+                threads = self._threads_wanted
+                torch.set_num_threads(threads)
+            e = min((s // every + 1) * every if every else end, end)
+            if self.chunk_tokens:
+                e = min(e, s + self.chunk_tokens)
+            pos = torch.arange(s, e, device=ids.device)[None]
+            self.model(input_ids=ids[:, s:e], position_ids=pos, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+            if every and e % every == 0:
+                self.snapshots[e] = copy_states(cache, self._states)
+            s = e
         return cache
 
     def _run(self) -> None:
@@ -266,6 +312,11 @@ class BackgroundPrefill:
         self.raise_if_failed()
         if self._cache is None:
             raise RuntimeError("background exact prefill was cancelled")
+        if self.start_cache is not None:  # the whole cache: recurrent states are not K/V
+            if self.on_cuda:
+                for d, event in self._events.items():
+                    torch.cuda.current_stream(d).wait_event(event)
+            return self._cache
         kv = kv_of(self._cache)
         if self.windows is not None:  # every row of every layer (the sliding layers' from their history)
             kv = take_history(self._cache, self.windows, self.input_ids.shape[1])
