@@ -98,7 +98,10 @@ def table(doc: dict) -> str:
               "plain prefill. Between `prefix` and `full` the default chooses by what it has measured on this "
               "machine (a short prefix on a tiny model may not pay), so the third column can differ between runs; "
               "the answers may not. Hybrids reuse a held state only for exactly its tokens: agent B, who shares "
-              "the document but not A's prompt, runs `full` there."]
+              "the document but not A's prompt, runs `full` there. On the hybrids, OptimisticCache `works` means: verified "
+              "drafts from another prompt's cache (its attention rows re-positioned, its state copied at the end of "
+              "the shared span) give plain `generate`'s tokens and logits; its rows cannot equal a prefill's, since "
+              "they carry the other prompt's state."]
     return "\n".join(lines)
 
 

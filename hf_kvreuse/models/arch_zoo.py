@@ -355,6 +355,11 @@ def _check_optimistic(model):
     from ..compat import cache_kwargs
     from ..sliding import keep_history, layer_windows, take_history
 
+    from ..hybrid import state_reason
+
+    if state_reason(model.config):  # a linear-attention hybrid: drafts verified, checked against plain generate
+        yield from _check_optimistic_states(model)
+        return
     ids_a, ids_b = agent_prompts()
     windows = layer_windows(model.config)
     own = DynamicCache(config=model.config)
@@ -381,6 +386,36 @@ def _check_optimistic(model):
     if held < ids_b.shape[1]:
         from_donor = from_donor[from_donor >= ids_b.shape[1] - held] - (ids_b.shape[1] - held)
     _assert_layer0(kv, ref, from_donor, "OptimisticCache: donor rows re-positioned into layer 0")
+
+
+def _check_optimistic_states(model):
+    """A hybrid (its drafts borrow the donor's recurrent state, so no row of the draft equals a prefill's): the
+    swap before the first token, and verified drafts up to the end (the exact cache held back), equal plain
+    generate (tokens and logits)."""
+    from ..cache_classes import OptimisticCache
+    from ..compat import cache_kwargs, output_cache
+    from ..hybrid import state_cache
+
+    from ..hybrid import copy_states, state_indices
+
+    ids_a, ids_b = agent_prompts()
+    own = state_cache(model)
+    donor = model.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                           **(cache_kwargs(own) if own is not None else {}))
+    snaps = {}
+    if own is not None:  # the donor's states 4 tokens before the shared block's end
+        at = state_cache(model)
+        with torch.no_grad():
+            model(input_ids=ids_a[:, :-4], use_cache=True, logits_to_keep=1, **cache_kwargs(at))
+        snaps = {ids_a.shape[1] - 4: copy_states(at, state_indices(at))}
+    make = lambda **kw: OptimisticCache(model, input_ids=ids_b, donor_cache=output_cache(donor),  # noqa: E731
+                                        donor_ids=donor.sequences, donor_states=[snaps], min_span=1, **kw)
+    yield make(max_optimistic_tokens=0)  # construction: a refusal stops here
+    _assert_same_generation(model, ids_b, make(max_optimistic_tokens=0), "OptimisticCache(max_optimistic_tokens=0)")
+    cache = make(max_optimistic_tokens=None)
+    with held_background():
+        _assert_same_generation(model, ids_b, cache, "OptimisticCache(rebase='verify'), drafts to the end")
+    assert cache.stats.drafted_tokens and cache.plan.span_donor >= 0, cache.stats
 
 
 def _check_block(model, cls_name: str, **kw):
