@@ -170,6 +170,17 @@ def state_continues(model) -> tuple[bool, str]:
 
 
 # -- optimistic drafts on hybrids: the pieces OptimisticCache composes ------------------------------------------
+def copy_points(start: int, end: int, every: int, last: int | None) -> list[int]:
+    """Where a prefill of tokens ``start..end`` copies its recurrent states: the multiples of ``every`` in
+    ``(start, end]``, the last ``last`` of them (None: all). Each point splits the prefill into one more forward;
+    on a 2-core CPU every 256-token block end of a 2k prompt costs ~9% of the prefill, the last two ~2%, and the
+    points worth keeping are near the end (where another call's prompt diverges: its own cue or role text)."""
+    if every <= 0:
+        return []
+    points = list(range((start // every + 1) * every, end + 1, every))
+    return points if last is None else points[len(points) - min(last, len(points)):]
+
+
 def state_indices(cache) -> list[int] | None:
     """The recurrent-state layers of ``cache`` (a list, possibly empty) when every other layer is a plain K/V
     layer; None where a layer mixes both kinds or the cache has no ``layers`` list."""

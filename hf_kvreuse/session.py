@@ -331,10 +331,15 @@ class ReuseSession:
         to a held prompt's end, or while the window has not moved past it). The forward is plain ``generate``'s
         either way.
     state_block : int, default=256
-        Linear-attention hybrids: the prompt is prefilled in blocks of this many tokens and the recurrent-state
-        layers are copied at each block's end, so that a later prompt sharing only a prefix (another agent's prompt
-        over the same document) reuses it up to the last whole block (as vLLM's and SGLang's hybrid prefix caches
-        do). 0: states only at each prompt's and call's end. ``"optimistic"`` drafts from these copies too: a
+        Linear-attention hybrids: the recurrent-state layers are copied at block ends (multiples of this many
+        tokens) of each prompt, so that a later prompt sharing only a prefix (another agent's prompt over the same
+        document and transcript, or the agent's next turn with a new cue) reuses it up to such a block end (as
+        vLLM's and SGLang's hybrid prefix caches do). 0: states only at each prompt's and call's end.
+    state_copies : int or None, default=2
+        How many of each prompt's block ends get a copy: the last ones (where later prompts diverge: their own
+        role text, cue or question). Each copy splits the prefill into one more forward; on a 2-core CPU copying
+        every 256-token block end of a 2k-token prompt costs ~9% of its prefill, the last two ~2%. None: every
+        block end. ``"optimistic"`` drafts from these copies too: a
         held call's span over the shared document, cut at one of its copies (:class:`OptimisticCache`, hybrids).
 
     Examples
@@ -360,7 +365,7 @@ class ReuseSession:
 
     def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
                  min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify",
-                 sliding_history: bool = True, state_block: int = 256):
+                 sliding_history: bool = True, state_block: int = 256, state_copies: int | None = 2):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if max_bytes <= 0:
@@ -383,6 +388,9 @@ class ReuseSession:
         if state_block < 0:
             raise ValueError(f"state_block must be >= 0, got {state_block}")
         self.state_block = int(state_block)
+        if state_copies is not None and state_copies < 0:
+            raise ValueError(f"state_copies must be >= 0 or None, got {state_copies}")
+        self.state_copies = state_copies
         self.last_stats: SessionStats | None = None
         self.calls = 0
         #: what ``"auto"`` measured on this session's calls (per device and thread count)
@@ -659,15 +667,16 @@ class ReuseSession:
         blocks: dict = {}
         state_idx = _state_layer_indices(cache) if cache is not None and self.state_block else None
 
-        def prefill_blocks():  # the prompt up to its last whole block before the last token, a copy at each end
+        def prefill_blocks():  # the prompt up to its copy points before the last token, a copy at each
             from .compat import cache_kwargs
+            from .hybrid import copy_points
 
-            pos, b = start, (start // self.state_block + 1) * self.state_block
+            pos = start
             with torch.no_grad():
-                while b <= n - 1:
+                for b in copy_points(start, n - 1, self.state_block, self.state_copies):
                     self.model(input_ids=ids[:, pos:b], use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
                     blocks[b] = {i: copy.deepcopy(cache.layers[i]) for i in state_idx}
-                    pos, b = b, b + self.state_block
+                    pos = b
 
         snap = _FirstTokenCopy(cache, n)
         out = self._timed_generate(ids, cache, kwargs, stats, also=snap,
@@ -713,7 +722,8 @@ class ReuseSession:
         cache = OptimisticCache(self.model, ids, donors, [e.ids[None] for _, e in held],
                                 donor_states=[dict(e.boundaries) for _, e in held], donor_exact=[True] * len(held),
                                 **{"min_span": self.min_span, "verify_donor": False, "rebase": self.rebase,
-                                   "state_every": self.state_block, **self.method_kwargs})
+                                   "state_every": self.state_block, "state_copies": self.state_copies,
+                                   **self.method_kwargs})
         stats = SessionStats(policy=policy, method="optimistic", agent=agent, prompt_tokens=n, new_tokens=n)
         out = self._timed_generate(ids, cache, kwargs, stats)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences

@@ -96,7 +96,7 @@ def test_held_states_give_exact_prefixes(kind, data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     block = data.draw(st.sampled_from([0, 4, 8]), label="state_block")
     continues = state_continues(m)[0]
-    session = ReuseSession(m, state_block=block)
+    session = ReuseSession(m, state_block=block, state_copies=None)  # a copy at every block end
     ids, last_out, expect = None, None, 0
     for turn in range(data.draw(st.integers(2, 4), label="calls")):
         how = "fresh" if ids is None else data.draw(st.sampled_from(TURNS), label="turn")
@@ -133,6 +133,31 @@ def test_held_states_give_exact_prefixes(kind, data):
             assert stats.method == "prefix" and stats.exact_prefix_tokens >= expect, (how, stats)
         assert stats.exact_output
         last_out = out.sequences
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_copies_the_last_two_block_ends(kind):
+    """By default a prompt's states are copied at its last two block ends only (each copy costs one more forward):
+    a later prompt sharing the first 60 of a 70-token prompt's tokens reuses 48 (``state_block=16``: copies at 48
+    and 64), one sharing 66 reuses 64, one sharing 40 nothing; the first call runs 3 forwards before its first
+    token (to 48, to 64, generate's), not 5. Planted bug that fails it: ``copy_points`` ignores ``last``."""
+    m = model(kind)
+    if not state_continues(m)[0]:
+        pytest.skip("this release does not continue a held state")
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 128, (1, 70), generator=g)
+    session = ReuseSession(m, state_block=16)
+    calls = []
+    hook = m.register_forward_pre_hook(lambda mod, args, kw: calls.append(1), with_kwargs=True)
+    try:
+        session.generate(first, max_new_tokens=1, do_sample=False)
+    finally:
+        hook.remove()
+    assert len(calls) == 3
+    for shared, expect in ((60, 48), (66, 64), (40, 0)):
+        ids = torch.cat([first[:, :shared], torch.randint(3, 128, (1, 5), generator=g)], 1)
+        session.generate(ids, max_new_tokens=1, do_sample=False)
+        assert session.last_stats.exact_prefix_tokens == expect, (shared, session.last_stats)
 
 
 @pytest.mark.parametrize("kind", KINDS)

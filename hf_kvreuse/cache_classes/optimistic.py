@@ -302,7 +302,8 @@ class OptimisticCache(KVReuseCache):
     prompt after it is computed over that cache. Where no span saves ``min_span`` tokens and half of what the exact
     start leaves to compute, there is no draft: the exact cache is built before the first token (exact start + the
     rest). The exact prefill runs in the background from the exact start, copying its
-    states every ``state_every`` tokens (``state_snapshots``: later calls draft or start from them). Under
+    states at the last ``state_copies`` multiples of ``state_every`` tokens (``state_snapshots``: later calls
+    draft or start from them). Under
     ``"verify"`` a rejected draft costs one more forward over the kept tokens (a state cannot be cut back: it is
     restored from a copy taken before the replay and the kept tokens are fed again; ``stats.rerun_tokens``).
     ``repair`` does not apply.
@@ -320,7 +321,7 @@ class OptimisticCache(KVReuseCache):
                  rebase: Literal["verify", "commit"] = "verify", gate: float | None = None,
                  gate_tokens=None, repair: Literal["blend", "epic"] | None = None, repair_ratio: float = 0.15,
                  repair_tokens: int = 16, fuse_first_step: bool = True, sliding_history: bool = False,
-                 donor_states=None, state_every: int = 256):
+                 donor_states=None, state_every: int = 256, state_copies: int | None = 2):
         from ..generation.mixin import enable
 
         super().__init__(model)
@@ -329,7 +330,9 @@ class OptimisticCache(KVReuseCache):
         self._states = state_indices(self) or []
         if state_every < 0:
             raise ValueError(f"state_every must be >= 0, got {state_every}")
-        self.state_every = int(state_every)
+        if state_copies is not None and state_copies < 0:
+            raise ValueError(f"state_copies must be >= 0 or None, got {state_copies}")
+        self.state_every, self.state_copies = int(state_every), state_copies
         self.state_snapshots: dict = {}
         self._shifter = RopeShifter(model, layout=self.model_check.rope_layout)  # layout probed on this model
         # sliding-window layers (None: full attention): assembled over every row, kept as transformers keeps them
@@ -483,7 +486,7 @@ class OptimisticCache(KVReuseCache):
             self.model, self.input_ids[:, :covered], chunk_tokens=self.background_chunk_tokens,
             cpu_threads=self.background_threads or max(1, baseline // running), max_threads=baseline,
             synchronous=synchronous or self._no_draft, start_cache=self._state_at(plan.exact_donor, plan.exact_len),
-            snapshot_every=self.state_every)
+            snapshot_every=self.state_every, snapshot_last=self.state_copies)
         if synchronous or self._no_draft:
             self.stats.new_tokens = self.stats.background_tokens + 1
             self.stats.reused_tokens = plan.exact_len

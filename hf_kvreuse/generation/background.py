@@ -144,14 +144,17 @@ class BackgroundPrefill:
         standing for the first tokens of ``input_ids`` (empty: none), which the job owns and fills;
         :meth:`result` then returns that cache whole (its states cannot be given as K/V). Not with ``prefix_kv``.
     snapshot_every : int, default=0
-        With ``start_cache``: prefill in chunks ending at multiples of this many tokens and keep a copy of the
-        recurrent-state layers at each (``snapshots``: ``{tokens: {layer index: copy}}``), the points where a
-        later call can start from or draft with them. 0: none.
+        With ``start_cache``: keep a copy of the recurrent-state layers at multiples of this many tokens
+        (``snapshots``: ``{tokens: {layer index: copy}}``), the points where a later call can start from or draft
+        with them; the prefill runs in one forward per point. 0: none.
+    snapshot_last : int or None, default=None
+        Only the last this many of those points (:func:`hf_kvreuse.hybrid.copy_points`); None: every one.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, chunk_tokens: int | None = None, cpu_threads: int = 1,
                  max_threads: int | None = None, synchronous: bool = False, prefix_kv: KV | None = None,
-                 windows: list | None = None, start_cache=None, snapshot_every: int = 0):
+                 windows: list | None = None, start_cache=None, snapshot_every: int = 0,
+                 snapshot_last: int | None = None):
         from ..hybrid import attention_rows, state_indices
 
         self.model, self.input_ids = model, input_ids
@@ -159,6 +162,7 @@ class BackgroundPrefill:
         self.prefix_kv = prefix_kv
         self.prefix_len = prefix_kv[0][0].shape[-2] if prefix_kv else 0
         self.start_cache, self.snapshot_every, self.snapshots = start_cache, int(snapshot_every), {}
+        self.snapshot_last = snapshot_last
         self._states = None
         if start_cache is not None:
             if prefix_kv or self.windows is not None:
@@ -214,10 +218,11 @@ class BackgroundPrefill:
     def _prefill_states(self):
         """A recurrent-state model: fill ``start_cache`` in chunks (ending at the snapshot points), copying the
         state layers at each point."""
-        from ..hybrid import copy_states
+        from ..hybrid import copy_points, copy_states
 
-        cache, ids, every = self.start_cache, self.input_ids, self.snapshot_every
+        cache, ids = self.start_cache, self.input_ids
         s, end = self.prefix_len, ids.shape[1]
+        points = copy_points(s, end, self.snapshot_every, self.snapshot_last)
         threads = None
         while s < end:
             if self._cancel.is_set():
@@ -225,12 +230,12 @@ class BackgroundPrefill:
             if not self.on_cuda and not self.synchronous and threads != self._threads_wanted:
                 threads = self._threads_wanted
                 torch.set_num_threads(threads)
-            e = min((s // every + 1) * every if every else end, end)
+            e = min([p for p in points if p > s] + [end])
             if self.chunk_tokens:
                 e = min(e, s + self.chunk_tokens)
             pos = torch.arange(s, e, device=ids.device)[None]
             self.model(input_ids=ids[:, s:e], position_ids=pos, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
-            if every and e % every == 0:
+            if e in points:
                 self.snapshots[e] = copy_states(cache, self._states)
             s = e
         return cache
