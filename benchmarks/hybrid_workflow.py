@@ -146,7 +146,7 @@ def table(doc: dict) -> str:
              f"attention), {a['reps']} documents of {a['doc']} tokens, {a['rounds']} rounds x 3 agents, {a['max_new_tokens']} new "
              f"tokens, {a['threads']} threads", "",
              "| decay | layout | policy | first token / plain (median of calls with a donor; worst call) "
-             "| first round, agents 2-3 (median) | end to end / plain | answers = plain generate | max logit diff "
+             "| round 1, agents 2-3 (median) | end to end / plain | answers = plain generate | max logit diff "
              "| drafts kept | reused tokens (median) | methods |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["summary"]:
         acc = (f"{s['accepted_tokens']}/{s['drafted_tokens']} ({100 * s['acceptance']:.0f}%)"
