@@ -50,7 +50,7 @@ from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
 from .session_entry import _Entry, _storage_bytes
-from .hybrid import state_at, state_cache, state_continues, state_reason, tensor_bytes
+from .hybrid import state_at, state_cache, state_continues, state_indices, state_reason, tensor_bytes
 from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
 from .timing import TokenTimer, synchronize
 
@@ -275,20 +275,6 @@ class _FirstTokenCopy:
 
     def end(self):
         pass
-
-
-def _state_layer_indices(cache) -> list[int] | None:
-    """The recurrent-state layers of a cache whose other layers are plain K/V layers, or None where a layer mixes
-    both, or the cache has no ``layers`` list (no block snapshots then)."""
-    out = []
-    for i, layer in enumerate(getattr(cache, "layers", None) or []):
-        state = hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
-        kv = hasattr(layer, "keys") and hasattr(layer, "values")
-        if state == kv:
-            return None
-        if state:
-            out.append(i)
-    return out or None
 
 
 def _state_length(cache) -> int | None:
@@ -665,7 +651,7 @@ class ReuseSession:
             cache = state_cache(self.model)
             stats.reason = f"{self._state_reason}: no held state stands for a prefix of this prompt"
         blocks: dict = {}
-        state_idx = _state_layer_indices(cache) if cache is not None and self.state_block else None
+        state_idx = (state_indices(cache) or None) if cache is not None and self.state_block else None
 
         def prefill_blocks():  # the prompt up to its copy points before the last token, a copy at each
             from .compat import cache_kwargs

@@ -456,13 +456,17 @@ class OptimisticCache(KVReuseCache):
             self.stats.new_tokens = self.stats.background_tokens + 1
             self.stats.reused_tokens = self.stats.prefix_tokens = n - 1 - self.stats.background_tokens
             return
+        self._start_and_assemble(on_cuda, self._assemble)
+
+    def _start_and_assemble(self, on_cuda: bool, assemble) -> None:
+        """Start the exact prefill now where ``background_start`` says so, then build the optimistic cache."""
         at_once = self.background_start == "immediate" or (
             self.background_start == "auto" and (on_cuda or self.rebase == "verify"))
         self.stats.background_start = "immediate" if at_once else "after_first_token"
         if at_once:
             self._start_background()
         t = now(self.input_ids.device)
-        self._assemble()
+        assemble()
         self.stats.assemble_s = now(self.input_ids.device) - t
 
     @torch.no_grad()
@@ -491,14 +495,7 @@ class OptimisticCache(KVReuseCache):
             self.stats.new_tokens = self.stats.background_tokens + 1
             self.stats.reused_tokens = plan.exact_len
             return
-        at_once = self.background_start == "immediate" or (
-            self.background_start == "auto" and (on_cuda or self.rebase == "verify"))
-        self.stats.background_start = "immediate" if at_once else "after_first_token"
-        if at_once:
-            self._start_background()
-        t = now(self.input_ids.device)
-        self._assemble_states(plan, covered)
-        self.stats.assemble_s = now(self.input_ids.device) - t
+        self._start_and_assemble(on_cuda, lambda: self._assemble_states(plan, covered))
 
     def _assemble_states(self, plan, covered: int) -> None:
         """The draft of a hybrid's prompt (``plan``: :class:`hf_kvreuse.hybrid.DraftPlan`) loaded into this cache."""

@@ -253,6 +253,46 @@ def test_optimistic_verify_equals_plain_generate(arch, donor, target, cut, kw, o
     _count("optimistic_verify", "equal")
 
 
+HYBRIDS = ["qwen3_5_text", "qwen3_next"]
+
+
+def hybrid_of(kind: str):
+    """A tiny linear-attention hybrid, or a skip where this release lacks it or cannot hold its states."""
+    from hf_kvreuse.hybrid import draft_refusal
+    from hf_kvreuse.models.arch_zoo import hybrid_model
+
+    key = "hybrid:" + kind
+    if key not in _MODELS:
+        try:
+            m = enable(hybrid_model(kind))
+            _MODELS[key] = (m, draft_refusal(m))
+        except Exception as e:  # noqa: BLE001 - an architecture missing from this release
+            _MODELS[key] = (None, f"{type(e).__name__}: {e}")
+    model, why = _MODELS[key]
+    if why:
+        pytest.skip(f"{kind}: {why}")
+    return model
+
+
+@FUZZ
+@given(kind=st.sampled_from(HYBRIDS), prompts=conversations(), kw=generate_options(sampling=False),
+       policy=st.sampled_from(["auto", "optimistic"]),
+       states=st.fixed_dictionaries({"state_block": st.sampled_from([0, 4, 4, 8, 16]),  # small blocks: drafts
+                                     "state_copies": st.sampled_from([None, None, 1, 2]),
+                                     "min_span": st.integers(1, 8)}))
+def test_hybrid_session_equals_plain_generate(kind, prompts, kw, policy, states):
+    """Linear-attention hybrids: ReuseSession's default (exact prefixes through held states) and its verified
+    drafts from held states (policy "optimistic"), greedy with every logits processor: every call equals plain
+    generate (or is refused, the session unchanged) and a last greedy call over the held states equals it too."""
+    model = hybrid_of(kind)
+    s = ReuseSession(model, policy=policy, **states)
+    prop = f"hybrid_session_{policy}"
+    for ids in prompts:
+        _session_call(prop, s, model, ids, kw)
+    _session_call(prop + "_after", s, model, prompts[0] + prompts[-1][:7],
+                  dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0))
+
+
 HOSTILE = ["truncate", "flip", "foreign_file", "escape_file", "manifest_field", "extra_json", "empty"]
 
 
