@@ -283,6 +283,16 @@ class OptimisticCache(KVReuseCache):
         model's ``generate`` returned with its present weights is recognised by its tag; any other is probed (its
         layer-0 keys at a few positions against the model's own) and refused if another model made it. False: trust
         the donors (e.g. another peft adapter of this model on purpose).
+    donor_states : dict or list of dict, optional
+        Linear-attention hybrids (Notes): per donor, ``{token count: {layer index: copy of that recurrent-state
+        layer after that many tokens}}``, the points where a draft may cut the donor's span (the donor cache's own
+        state counts for its last token). ReuseSession passes the copies it holds.
+    state_every : int, default=256
+        Linear-attention hybrids: the exact background prefill copies its states at multiples of this many tokens
+        (``state_snapshots``), for later calls. 0: none.
+    state_copies : int or None, default=2
+        How many of those multiples get a copy: the last ones (each copy splits the prefill into one more forward).
+        None: every one.
 
     Notes
     -----
