@@ -82,9 +82,9 @@ def token_lists(min_size=1, max_size=24):
 
 
 @st.composite
-def conversations(draw, calls=(1, 3)):
+def conversations(draw, calls=(1, 3), seg=(4, 36)):
     """Prompts of several calls built from a few segments: shared prefixes, moved blocks and fresh tokens."""
-    segs = draw(st.lists(token_lists(4, 36), min_size=2, max_size=4))
+    segs = draw(st.lists(token_lists(*seg), min_size=2, max_size=4))
     prompts = []
     for _ in range(draw(st.integers(*calls)) + 1):
         order = draw(st.lists(st.integers(0, len(segs) - 1), min_size=1, max_size=4))
@@ -158,9 +158,11 @@ def _session_call(prop, s, model, ids, kw, policy=None):
     before = s.held()
     try:
         ref = _run(model.generate, ids, kw)
-    except RuntimeError:  # options plain generate cannot run (every token masked): the session must fail too
-        with pytest.raises(RuntimeError):
+    except (RuntimeError, ValueError):  # options plain generate cannot run or refuses (every token masked, a
+        # forced eos also suppressed): the session must fail too, and stay as it was
+        with pytest.raises((RuntimeError, ValueError)):
             _run(lambda x, **k: s.generate(x, policy=policy, **k), ids, kw)
+        assert s.held() == before
         _count(prop, "both_fail")
         return False
     try:
@@ -275,7 +277,7 @@ def hybrid_of(kind: str):
 
 
 @FUZZ
-@given(kind=st.sampled_from(HYBRIDS), prompts=conversations(), kw=generate_options(sampling=False),
+@given(kind=st.sampled_from(HYBRIDS), prompts=conversations(seg=(8, 48)), kw=generate_options(sampling=False),
        policy=st.sampled_from(["auto", "optimistic"]),
        states=st.fixed_dictionaries({"state_block": st.sampled_from([0, 4, 4, 8, 16]),  # small blocks: drafts
                                      "state_copies": st.sampled_from([None, None, 1, 2]),
