@@ -734,6 +734,9 @@ class ReuseSession:
         if plan.exact_donor >= 0:
             kept = {b: snap for b, snap in held[plan.exact_donor][1].boundaries.items() if b <= plan.exact_len}
         with self._state:
+            for d in {plan.span_donor, plan.exact_donor} - {-1}:  # recently useful states are the last to go
+                if held[d][0] in self._states:
+                    self._states.move_to_end(held[d][0])
             length = _state_length(cache)
             if cst.exact and length is not None and n - 1 <= length <= sequences.shape[1]:
                 final = state_cache(model)
@@ -741,10 +744,6 @@ class ReuseSession:
                 self._hold_state(sequences[0, :length].cpu(), final, agent, producer, stats,
                                  boundaries={**kept, **cache.state_snapshots})
             stats.held_bytes = self.nbytes
-        for key, _ in held:
-            with self._state:
-                if key in self._states and plan.span_donor >= 0 and held[plan.span_donor][0] == key:
-                    self._states.move_to_end(key)
         self.calls += 1
         self.last_stats = stats
         return out
