@@ -88,6 +88,8 @@ def state_at(cache, b: int, snap: dict):
     for i, layer in enumerate(cache.layers):
         if i in snap:
             layers.append(copy.deepcopy(snap[i]))
+        elif getattr(layer, "keys", None) is None:  # a layer that holds nothing (Nemotron-H's MLP blocks)
+            layers.append(copy.deepcopy(layer))
         else:
             new = copy.copy(layer)
             new.keys, new.values = layer.keys[..., :b, :].clone(), layer.values[..., :b, :].clone()
@@ -128,14 +130,11 @@ def state_continues(model) -> tuple[bool, str]:
     model's own code, once per model and config. A 12-token prompt is prefilled at once, as 8 tokens then 4 more
     over a copy of the cache taken after the 8, and as 4 more over that cache cut back to 8 tokens
     (:func:`state_at`, with the state layers copied after 8); the last logits must agree (some releases restart
-    the recurrent state on any prefill of several tokens, which would silently change every later answer)."""
-    import copy
+    the recurrent state on any prefill of several tokens, which would silently change every later answer). A
+    model whose forward raises on such a cache (its own cache class only, or a state of another shape) does not
+    continue one either: the reason names the error."""
     import weakref
 
-    import torch
-
-    from .compat import cache_kwargs
-    from .devices import input_device
     from .fingerprint import config_digest
 
     global _CONTINUES
@@ -146,27 +145,43 @@ def state_continues(model) -> tuple[bool, str]:
     if hit is not None and hit[0] == key:
         return hit[1]
     result = (False, "this transformers release builds no generic cache for the recurrent-state layers")
-    if state_cache(model) is not None:
-        vocab = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "vocab_size", 32))
-        ids = (torch.arange(12) * 7 % max(vocab - 3, 1) + 3)[None].to(input_device(model))
-        with torch.no_grad():
-            whole = state_cache(model)
-            a = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(whole)).logits[0, -1].float()
-            part = state_cache(model)
-            model(input_ids=ids[:, :8], use_cache=True, logits_to_keep=1, **cache_kwargs(part))
-            idx = [i for i, layer in enumerate(part.layers) if not hasattr(layer, "keys")]
-            snap = {i: copy.deepcopy(part.layers[i]) for i in idx}
-            cont = copy.deepcopy(part)
-            b = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(cont)).logits[0, -1].float()
-            # the block path: a cache past the block end cut back to it (K/V rows) with the block's state copies
-            cut = state_at(cont, 8, snap)
-            c = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(cut)).logits[0, -1].float()
-        err = max(float((a - x).abs().max() / a.abs().max().clamp_min(1e-6)) for x in (b, c))
-        tol = 1e-3 if a.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
-        result = (err <= tol, f"a held state continued over 4 tokens differs from one prefill by {err:.2g} "
-                              f"relative" if err > tol else "")
+    try:
+        if state_cache(model) is not None:
+            result = _continues_probe(model)
+    except Exception as e:  # noqa: BLE001 - a model whose own code will not run on this cache: no held states
+        result = (False, f"its forward does not run on a held cache of its own layer kinds ({type(e).__name__}: "
+                         f"{str(e)[:160]})")
     _CONTINUES[model] = (key, result)
     return result
+
+
+def _continues_probe(model) -> tuple[bool, str]:
+    """:func:`state_continues`' probe itself (12 tokens at once, 8 + 4 over a copy, 8 + 4 over a cut cache)."""
+    import copy
+
+    import torch
+
+    from .compat import cache_kwargs
+    from .devices import input_device
+
+    vocab = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "vocab_size", 32))
+    ids = (torch.arange(12) * 7 % max(vocab - 3, 1) + 3)[None].to(input_device(model))
+    with torch.no_grad():
+        whole = state_cache(model)
+        a = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(whole)).logits[0, -1].float()
+        part = state_cache(model)
+        model(input_ids=ids[:, :8], use_cache=True, logits_to_keep=1, **cache_kwargs(part))
+        idx = [i for i, layer in enumerate(part.layers) if not hasattr(layer, "keys")]
+        snap = {i: copy.deepcopy(part.layers[i]) for i in idx}
+        cont = copy.deepcopy(part)
+        b = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(cont)).logits[0, -1].float()
+        # the block path: a cache past the block end cut back to it (K/V rows) with the block's state copies
+        cut = state_at(cont, 8, snap)
+        c = model(input_ids=ids[:, 8:], use_cache=True, logits_to_keep=1, **cache_kwargs(cut)).logits[0, -1].float()
+    err = max(float((a - x).abs().max() / a.abs().max().clamp_min(1e-6)) for x in (b, c))
+    tol = 1e-3 if a.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
+    return (err <= tol, f"a held state continued over 4 tokens differs from one prefill by {err:.2g} "
+                        f"relative" if err > tol else "")
 
 
 # -- optimistic drafts on hybrids: the pieces OptimisticCache composes ------------------------------------------
@@ -199,9 +214,9 @@ def attention_rows(cache, states: list[int]) -> int:
     """Rows every K/V layer of a hybrid ``cache`` holds (checked equal; 0 for an empty cache)."""
     rows = set()
     for i, layer in enumerate(cache.layers):
-        if i not in states:
-            keys = getattr(layer, "keys", None)
-            rows.add(0 if keys is None or keys.numel() == 0 else int(keys.shape[-2]))
+        keys = getattr(layer, "keys", None)
+        if i not in states and keys is not None:  # None: a layer that holds nothing (an MLP block)
+            rows.add(0 if keys.numel() == 0 else int(keys.shape[-2]))
     if len(rows) > 1:
         raise ValueError(f"the attention layers of this cache hold different numbers of rows: {sorted(rows)}")
     return rows.pop() if rows else 0
@@ -347,7 +362,7 @@ def check_state_donor(model, cache, ids, length: int, states: list[int], who: st
 
     if made_by(cache, model) or length == 0:
         return
-    first = next(i for i in range(len(cache.layers)) if i not in states)
+    first = next(i for i, layer in enumerate(cache.layers) if i not in states and getattr(layer, "keys", None) is not None)
     m = min(probe_tokens, length)
     mine = state_cache(model)
     device = input_device(model)

@@ -888,7 +888,13 @@ class ReuseSession:
                     self._entries.move_to_end(key)
             # beams / several returned sequences: nothing row-for-row to hold (a beam cache has one row per beam,
             # reordered; even its prompt rows come from a batched prefill, not the batch-1 one a later call runs)
-            if sequences.shape[0] == 1 and opts.sequences == 1 and all(k.shape[0] == 1 for k, _ in kv_of(cache)):
+            try:
+                kv = kv_of(cache)
+            except ValueError as e:  # the model keeps its own state and left this cache without K/V (RWKV)
+                kv = None
+                stats.stored, stats.reason = False, f"nothing held: the model does not cache per-token K/V ({e})"
+            if kv is not None and sequences.shape[0] == 1 and opts.sequences == 1 and all(k.shape[0] == 1
+                                                                                          for k, _ in kv):
                 self._store(cache, sequences, stats, agent, producer, snapshot, held_kv)
             else:
                 stats.held_bytes = self.nbytes

@@ -527,6 +527,8 @@ class OptimisticCache(KVReuseCache):
             if i in self._states:  # the donor's state after the span's last reused token
                 cache.layers[i] = copy.deepcopy(snap[i] if snap is not None else donor.layers[i])
                 continue
+            if getattr(donor.layers[i], "keys", None) is None:  # a layer that holds nothing (an MLP block)
+                continue
             dk, dv = donor.layers[i].keys[..., a:b, :], donor.layers[i].values[..., a:b, :]
             k = alloc_layer(dk, b - a)
             copy_shifted_(k, dk, self._shifter.for_layer(i), plan.delta)
@@ -597,7 +599,10 @@ class OptimisticCache(KVReuseCache):
                              f"model's {self._states} ({len(getattr(donor_cache, 'layers', []))} layers, the model "
                              f"{len(self.layers)}). Pass the cache this model's generate returned")
         donor_len = attention_rows(donor_cache, states)
-        first = next(i for i in range(len(self.layers)) if i not in states)
+        first = next((i for i, layer in enumerate(donor_cache.layers)
+                      if i not in states and getattr(layer, "keys", None) is not None), None)
+        if first is None:
+            raise ValueError(f"donor_cache holds no attention rows of {name}: nothing to re-position")
         k0 = donor_cache.layers[first].keys
         kv_heads, head_dim = self.model_check.kv_heads, self.model_check.head_dim
         if donor_len and (k0.shape[0] != 1 or k0.shape[1] != kv_heads or k0.shape[-1] != head_dim):
