@@ -748,13 +748,10 @@ class OptimisticCache(KVReuseCache):
         if self._states:  # a hybrid: the job's whole cache (its states are not K/V)
             self.layers[:] = kv.layers
             self.state_snapshots = dict(self.job.snapshots)
-            self.logical_offset = 0
-            self._swapped = True
-            self.stats.exact = True
-            return
-        load_kv(self, kv, seq_length=self.input_ids.shape[1] - 1)  # every row given: sliding layers keep theirs
-        if self.sliding_history:  # and keep every row on the side from here on
-            keep_history(self, self._windows, kv)
+        else:
+            load_kv(self, kv, seq_length=self.input_ids.shape[1] - 1)  # every row given: sliding layers keep theirs
+            if self.sliding_history:  # and keep every row on the side from here on
+                keep_history(self, self._windows, kv)
         self.logical_offset = 0
         self._swapped = True
         self.stats.exact = True
