@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from .models.loaders import MODEL_KEYS as MODELS
+from .workflows.datasets import QA_DATASETS
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -83,11 +84,12 @@ def load(name: str, dtype: str):
     return model, tok
 
 
-def questions(tok, n: int, context_tokens: int, seed: int = 0):
-    """``n`` SQuAD questions spread over the file, each with about ``context_tokens`` tokens of document."""
-    from .workflows.datasets import context_for, squad
+def questions(tok, n: int, context_tokens: int, seed: int = 0, dataset: str = "squad"):
+    """``n`` questions of ``dataset`` (SQuAD, DROP or multi-turn CoQA) spread over the file, each with about
+    ``context_tokens`` tokens of document (its passage among other passages of the set)."""
+    from .workflows.datasets import context_for, qa_dataset
 
-    items = squad()
+    items = qa_dataset(dataset)
     step = max(1, len(items) // n)
     picked = [items[(seed + i * step) % len(items)] for i in range(n)]
     return [(context_for(items, it, tok, context_tokens), it) for it in picked]
@@ -123,7 +125,7 @@ def run(args, checkpoint=None) -> dict:
     methods = ["full"] + [m for m in args.methods if m != "full"]
     records = []
     jobs = [(w, c) for w in args.workflows for c in args.context_tokens]
-    data = {c: questions(tok, args.n, c, args.seed) for c in args.context_tokens}
+    data = {c: questions(tok, args.n, c, args.seed, getattr(args, "dataset", "squad")) for c in args.context_tokens}
     span = question_span(args)
     bar = tqdm(total=len(jobs) * len(span) * (len(methods) - bool(reference)), desc="bench", unit="workflow")
     for shape, ctx in jobs:
@@ -193,7 +195,7 @@ def question_span(args) -> range:
     return span
 
 
-REFERENCE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "seed", "n", "max_bytes")
+REFERENCE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "seed", "n", "max_bytes", "dataset")
 
 
 def load_reference(args) -> dict:
@@ -214,7 +216,7 @@ def load_reference(args) -> dict:
     else:
         configs = [configs]
     for cfg in configs:
-        bad = [k for k in REFERENCE_KEYS if cfg.get(k) != getattr(args, k)]
+        bad = [k for k in REFERENCE_KEYS if cfg.get(k, "squad" if k == "dataset" else None) != getattr(args, k)]
         if bad:
             raise SystemExit(f"--reference {args.reference}: its {', '.join(bad)} differ from this run's "
                              f"({', '.join(f'{k}={cfg.get(k)!r}' for k in bad)})")
@@ -506,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "hf_kvreuse.session.MODES), each optionally with cache options for an ablation, "
                    "e.g. auto-verify:max_optimistic_tokens=4 (the whole spec names its records); full always "
                    "runs first")
+    b.add_argument("--dataset", default="squad", choices=QA_DATASETS,
+                   help="the questions and documents: SQuAD, DROP, or CoQA turns with the conversation before them")
     b.add_argument("--context-tokens", type=_csv(int), default=[1000], metavar="N[,N...]",
-                   help="document sizes in tokens (SQuAD passages of one article joined to about this size)")
+                   help="document sizes in tokens (the question's passage among other passages, about this size)")
     b.add_argument("--n", type=int, default=5, help="questions per cell")
     b.add_argument("--rounds", type=int, default=3, help="rounds of the round-based shapes (fully_connected, debate)")
     b.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per agent call (greedy)")
@@ -515,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--floor", action="store_true",
                    help="also time each auto call's floor: prefill of its new tokens on an exact cache (slower)")
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    b.add_argument("--seed", type=int, default=0, help="offset of the first question in the SQuAD file (shards)")
+    b.add_argument("--seed", type=int, default=0, help="offset of the first question in the dataset's file (shards)")
     b.add_argument("--out", default="bench_results", help="output folder (bench.json, bench.csv, plots)")
     b.add_argument("--questions", default=None, metavar="A:B",
                    help="run only questions A..B-1 of the --n picked (complete a stopped run; join with merge); "

