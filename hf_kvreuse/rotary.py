@@ -82,6 +82,41 @@ def rope_type_of(model_or_rotary: nn.Module) -> str:
     return getattr(rot, "rope_type", "default")
 
 
+def _rope_types(spec) -> list[str]:
+    """The rope types named in a rotary module's ``rope_type`` or a config's ``rope_parameters`` / ``rope_scaling``
+    (a string, one dict, or one dict per layer type)."""
+    if isinstance(spec, str):
+        return [spec]
+    if not isinstance(spec, dict):
+        return []
+    if "rope_type" in spec or "type" in spec:
+        return [str(spec.get("rope_type", spec.get("type")))]
+    return [t for v in spec.values() for t in _rope_types(v)]
+
+
+def length_dependent_rope(model: nn.Module) -> str | None:
+    """Why ``model``'s RoPE frequencies depend on the sequence length (None when they do not, or when it has no
+    rotary embedding): the one place that says which rope kinds are length dependent. Every type outside the
+    static ones (:data:`SUPPORTED_ROPE_TYPES`) counts: ``dynamic`` (NTK: transformers recomputes ``inv_freq`` when
+    a forward reaches past the longest length seen, and resets it below ``max_position_embeddings``), ``longrope``
+    (short or long factors by the longest position of each forward) and any type not known to be static. K/V of
+    such a model depend on the longest position of the forward that computed them (and on the module's history),
+    so rows held from another call are never exact, and cannot be re-positioned."""
+    types = []
+    for _, module in model.named_modules():
+        if hasattr(module, "rope_type"):
+            types += _rope_types(getattr(module, "rope_type"))
+    config = getattr(model, "config", None)
+    for name in ("rope_parameters", "rope_scaling"):
+        types += _rope_types(getattr(config, name, None))
+    dependent = sorted({t for t in types if t not in SUPPORTED_ROPE_TYPES})
+    if not dependent:
+        return None
+    return (f"rope_type={dependent[0]!r}: its frequencies depend on the sequence length (the longest position of "
+            "each forward), so K/V computed in another call are not what a plain prefill of this prompt computes, and "
+            "cannot be re-positioned")
+
+
 def check_rope_supported(model: nn.Module) -> str:
     """Return the model's rope type, or raise :class:`UnsupportedRopeError` naming it."""
     rope_type = rope_type_of(model)

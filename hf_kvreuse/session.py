@@ -44,11 +44,12 @@ from .alignment import Alignment, align_multi
 from .auto import AutoChooser
 from .compat import CACHE_KW, CACHE_NAMES
 from .devices import input_device, layer_devices, offloaded, place_kv
-from .generation.options import call_options
+from .generation.options import STEPWISE_MODES, call_options, plain_only_call
 from .inputs import inferred_padding, prompt_ids, refuse_inferred_padding
 from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
 from .rope import UnsupportedRopeError
+from .rotary import length_dependent_rope
 from .session_entry import _Entry, _storage_bytes
 from .hybrid import state_at, state_cache, state_continues, state_indices, state_reason, tensor_bytes
 from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
@@ -343,7 +344,13 @@ class ReuseSession:
     other approximate policies refuse such a model. Linear-attention hybrids: ``"auto"`` reuses exact prefixes
     through held states; ``"optimistic"`` (asked for by name) drafts from another call's state over a shared span
     and verifies the drafts (the answer is plain ``generate``'s); the other approximate policies refuse them.
-    ``use_cache=False`` runs plain ``generate`` and holds nothing.
+    ``use_cache=False`` runs plain ``generate`` and holds nothing; so do (``"auto"`` and ``"full"``; other
+    policies refuse, naming the option) the calls no reuse method honours: ``cache_implementation`` (on the call or
+    in the model's ``generation_config``), ``output_hidden_states`` / ``output_attentions``, assisted generation
+    (``assistant_model``, ``prompt_lookup_num_tokens``) and the other decoding modes beyond greedy, sampling and
+    beam search (:func:`~hf_kvreuse.generation.options.plain_only_call`), and every call of a model whose RoPE
+    frequencies depend on the length (``rope_type="dynamic"``, ``"longrope"``: no held row is exact;
+    ``"prefix"`` also runs plain ``generate``), with the reason in ``last_stats.reason``.
 
     Thread safety: one :meth:`generate` at a time (others wait); :attr:`nbytes`, :meth:`held` and ``len()`` may be
     read from any thread meanwhile; :meth:`clear` waits for a running call, then drops everything.
@@ -567,6 +574,13 @@ class ReuseSession:
             with self._lock:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs, padded=True,
                                                timed=opts.sequences == 1)
+        plain_why = self._plain_only(policy, opts, generate_kwargs)
+        if plain_why:  # no held K/V can serve this call exactly: plain generate, nothing held
+            with self._lock:
+                return self._generate_uncached(ids, agent, policy, generate_kwargs,
+                                               timed=opts.mode in STEPWISE_MODES + ("assisted_generation",)
+                                               and opts.sequences == 1,
+                                               reason=f"{plain_why}: plain generate, nothing held")
         if not opts.stepwise and policy not in ("auto", "full", "prefix"):
             raise ValueError(f"policy={policy!r} decodes one sequence token by token; this call asks for "
                              f"{opts.mode} with {opts.sequences} sequences: use policy 'auto' or 'prefix' (exact "
@@ -587,6 +601,27 @@ class ReuseSession:
             if not opts.use_cache:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
             return self._generate(ids, agent, policy, generate_kwargs, opts)
+
+    def _plain_only(self, policy: str, opts, kwargs: dict) -> str | None:
+        """Why this call runs as plain ``generate`` with nothing held (None: the policy runs): a generate option or
+        model config no reuse method honours (:func:`~hf_kvreuse.generation.options.plain_only_call`), or RoPE
+        frequencies that depend on the length (:func:`~hf_kvreuse.rotary.length_dependent_rope`: no held row is
+        exact). ``"auto"`` and ``"full"`` step down to plain ``generate``, ``"prefix"`` too where the RoPE is the
+        reason (it reuses only exact rows, and none are); every other policy refuses, naming the option."""
+        if not opts.use_cache:
+            return None  # runs as plain generate already
+        why = plain_only_call(opts, kwargs)
+        if why is not None:
+            if policy not in ("auto", "full"):
+                raise ValueError(f"policy={policy!r} cannot honour {why}. Use policy 'auto' or 'full' (plain "
+                                 "generate for this call)")
+            return why
+        why = length_dependent_rope(_generation_config_model(self.model))
+        if why is not None and policy not in ("auto", "full", "prefix"):
+            raise UnsupportedRopeError(f"policy={policy!r} cannot reuse or re-position K/V of "
+                                       f"{type(self.model).__name__}: {why}. Use policy 'auto', 'prefix' or 'full' "
+                                       "(plain generate, nothing held)")
+        return why
 
     def _inferred_padding(self, input_ids, kwargs: dict, policy: str) -> bool:
         """Whether plain ``generate`` would mask pad tokens of this prompt (no ``attention_mask``, the pad id in

@@ -41,6 +41,38 @@ def call_options(model, generate_kwargs: dict) -> CallOptions:
                        sequences=max(beams, ret))
 
 
+#: the decoding modes that run over a held exact prefix as they run over their own prefill (the cache generate is
+#: handed is its cache: one row per sequence, repeated for beams); assisted generation (``assistant_model``,
+#: ``prompt_lookup_num_tokens``, ``use_mtp``), contrastive search, DoLa and constrained / group beam search are
+#: not among them (assisted generation crops and re-feeds the cache it is handed and its tokens differed)
+PREFIX_MODES = STEPWISE_MODES + ("beam_search", "beam_sample")
+
+#: options with which ``generate`` returns something of every prompt token (the forward of the whole prompt):
+#: a held prefix is not recomputed, so only plain ``generate`` returns them as it does
+WHOLE_PROMPT_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+def plain_only_call(options: CallOptions, generate_kwargs: dict) -> str | None:
+    """Why no held K/V may serve this call (it runs as plain ``generate``, with no cache of the caller's or a
+    session's), naming the option; None when the exact prefix path serves it. The one list of the generate options
+    and model configs a reuse method cannot honour: a session's ``"auto"`` steps down to plain ``generate`` on it
+    (the reason in ``last_stats.reason``) and an explicitly requested reuse policy refuses with it."""
+    cfg = options.config
+    impl = getattr(cfg, "cache_implementation", None)
+    if impl is not None:
+        return (f"cache_implementation={impl!r} (generate builds a cache of that kind itself and takes no other; "
+                "set on the call or in the model's generation_config)")
+    for key in WHOLE_PROMPT_OUTPUTS:
+        if getattr(cfg, key, False):
+            return (f"{key}=True (generate returns it for every prompt token, and held rows are not recomputed)")
+    if generate_kwargs.get("custom_generate") is not None:
+        return "custom_generate (a decoding loop the library does not know)"
+    if options.mode not in PREFIX_MODES:
+        return (f"{options.mode or 'an unknown'} decoding (assistant_model, prompt_lookup_num_tokens, penalty_alpha, "
+                "dola_layers, constraints or num_beam_groups: it does not run over a held cache as over its own)")
+    return None
+
+
 #: transformers' logits processors / warpers and stopping criteria that are pure functions of ``(input_ids,
 #: scores)``: applying one again to a replayed row gives what it gave the first time and changes nothing for the
 #: next call (audited on transformers 4.57.1, 5.0, 5.17 and 5.24: their ``__call__`` only caches device copies of
