@@ -329,10 +329,32 @@ def _marks_from(tensors: dict[str, torch.Tensor], saved, n: int, layout: KVLayou
 
 
 # -- ReuseSession ---------------------------------------------------------------------------------------------------
+def _session_layout(model, records: Sequence = (), where: str = "") -> KVLayout | None:
+    """:func:`kv_layout` of ``model``, or None for a model with linear-attention / recurrent-state layers (its
+    cache is not K/V in every layer: a session of such a model holds whole states, which are not saved, and no K/V
+    entries). A saved session whose ``records`` list K/V entries is refused for such a model."""
+    from .hybrid import state_layers
+
+    states = state_layers(model.config)
+    if not states:
+        return kv_layout(model)
+    if records:
+        raise PersistedKVError(f"{where} holds {len(records)} K/V entries, but {type(model).__name__} has "
+                               f"linear-attention / recurrent-state layers ({', '.join(states[:4])}): saved from "
+                               "another model")
+    return None
+
+
 def _model_identity(model) -> dict:
     from .fingerprint import model_fingerprint
 
-    layout = kv_layout(model)
+    layout = _session_layout(model)
+    if layout is None:  # a linear-attention hybrid: no K/V layout to record
+        from .hybrid import state_layers
+
+        return dict(fingerprint=model_fingerprint(model), architecture=type(model).__name__,
+                    layers=getattr(model.config, "num_hidden_layers", None), kv_shapes=None,
+                    state_layers=state_layers(model.config), dtype=str(next(model.parameters()).dtype))
     return dict(fingerprint=model_fingerprint(model), architecture=type(model).__name__,
                 layers=layout.layers, kv_shapes=[list(s) for s in layout.shapes], dtype=str(layout.dtype))
 
@@ -352,6 +374,13 @@ def _check_identity(saved: dict, model, where: str) -> None:
 def _is_store(path) -> bool:
     """A store URL (``redis://...``) or backend rather than a folder: :mod:`hf_kvreuse.stores` handles it."""
     return (isinstance(path, str) and "://" in path) or not isinstance(path, (str, os.PathLike))
+
+
+def _shown(path) -> str:
+    """``path`` as an error message may show it: a store URL without its credentials."""
+    from .stores.base import redact_url
+
+    return repr(redact_url(path) if isinstance(path, str) else path)
 
 
 def session_snapshot(session) -> tuple[list, dict]:
@@ -399,7 +428,7 @@ def save_session(session, path, prune_after_s: float = 60.0, **store_options) ->
     from .version import __version__
 
     if _is_store(path):
-        raise TypeError(f"save_session writes a folder; {path!r} is a store: call session.save(url) or "
+        raise TypeError(f"save_session writes a folder; {_shown(path)} is a store: call session.save(url) or "
                         "hf_kvreuse.stores.tiers.save_session")
     if store_options:
         raise TypeError(f"save_session: {sorted(store_options)} apply to a store URL or backend (session.save(url, "
@@ -407,8 +436,8 @@ def save_session(session, path, prune_after_s: float = 60.0, **store_options) ->
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
 
+    entries, options = session_snapshot(session)  # first: it warns of what is not saved
     identity = _model_identity(session.model)
-    entries, options = session_snapshot(session)
     with _dir_lock(folder):
         records = []
         for e in entries:
@@ -480,15 +509,15 @@ def load_session(path, model, session_cls=None, retries: int = 5, **options):
         raise TypeError("load_session needs the session class to build: call ReuseSession.load(path, model), or "
                         "pass session_cls=ReuseSession")
     if _is_store(path):
-        raise TypeError(f"load_session reads a folder; {path!r} is a store: call ReuseSession.load(url, model) or "
-                        "hf_kvreuse.stores.tiers.load_session")
+        raise TypeError(f"load_session reads a folder; {_shown(path)} is a store: call ReuseSession.load(url, model) "
+                        "or hf_kvreuse.stores.tiers.load_session")
     folder = Path(path)
     cls = session_cls
     session = None
     for attempt in range(retries):
         manifest = _read_manifest(folder)
         _check_identity(manifest["model"], model, f"the session in {folder}")
-        layout = kv_layout(model)
+        layout = _session_layout(model, manifest["entries"], f"the session in {folder}")
         if session is None:
             saved = dict(manifest["session"])
             given = options.pop("method_kwargs", None)

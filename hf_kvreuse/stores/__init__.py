@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import os
 
-from .base import (FORMAT, CorruptEntryError, EntryBackend, FolderBackend, NamespaceUsage, StoreUnavailableError,  # noqa: F401
-                   _BudgetMixin, _iter_chunks, check_name, decode_entry, decode_meta, encode_entry, namespace)
+from .base import (FORMAT, NO_TENANT, CorruptEntryError, EntryBackend, FolderBackend, NamespaceUsage,  # noqa: F401
+                   StoreUnavailableError, _BudgetMixin, _iter_chunks, check_name, decode_entry, decode_meta,
+                   encode_entry, namespace, redact_url, valid_name)
 
 __all__ = ["FORMAT", "CorruptEntryError", "StoreUnavailableError", "EntryBackend", "NamespaceUsage",
-           "FolderBackend", "encode_entry", "decode_entry", "namespace", "open_backend"]
+           "FolderBackend", "encode_entry", "decode_entry", "namespace", "open_backend", "check_name", "redact_url"]
+
+_URL_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 
 
 def open_backend(spec, tenant: str | None = None, max_bytes: int | None = None, **kwargs) -> EntryBackend:
@@ -35,10 +38,13 @@ def open_backend(spec, tenant: str | None = None, max_bytes: int | None = None, 
     (:class:`FolderBackend`)."""
     if isinstance(spec, EntryBackend) and not isinstance(spec, (str, os.PathLike)):
         return spec
-    if isinstance(spec, str) and spec.split("://", 1)[0] in ("redis", "rediss", "unix", "valkey", "valkeys"):
+    if isinstance(spec, str) and spec.split("://", 1)[0].lower() in _URL_SCHEMES:  # schemes ignore case
         from .redis import RedisBackend
 
         return RedisBackend(spec, tenant=tenant, max_bytes=max_bytes, **kwargs)
-    if isinstance(spec, (str, os.PathLike)):
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and "://" not in spec):
         return FolderBackend(spec, tenant=tenant, max_bytes=max_bytes)
+    if isinstance(spec, str):
+        raise ValueError(f"store {redact_url(spec)}: unknown scheme (a store URL is one of "
+                         f"{', '.join(s + '://' for s in _URL_SCHEMES)}; a folder is a path)")
     raise TypeError(f"a store is a folder path, a redis:// URL or an EntryBackend, not {type(spec).__name__}")

@@ -18,7 +18,13 @@ import torch
 from ..artifacts import CorruptArtifactError, check_finite
 
 FORMAT = "hf_kvreuse.entry/1"
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# the name rule (check_name): a letter or digit first, then letters, digits, '_', '.', '-'; not ending in '.'
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# names Windows gives to devices, whatever follows a '.' ("nul.entry" is the null device there)
+_DEVICE_NAMES = frozenset(["con", "prn", "aux", "nul", *(f"{p}{i}" for p in ("com", "lpt") for i in range(10))])
+#: the folder of the entries of a backend without a tenant: a name no tenant can take (tenants start with a letter
+#: or a digit)
+NO_TENANT = "_"
 
 
 
@@ -41,10 +47,60 @@ class NamespaceUsage:
     max_bytes: int | None = None
 
 
+def valid_name(name) -> bool:
+    """Whether ``name`` follows the name rule of :func:`check_name`."""
+    return (isinstance(name, str) and _NAME.fullmatch(name) is not None and not name.endswith(".")
+            and name.split(".", 1)[0].lower() not in _DEVICE_NAMES)
+
+
 def check_name(name: str, what: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"{what} {name!r} must be 1-128 characters of letters, digits, '_', '.', '-'")
+    """``name`` if it may name a tenant, a namespace, an entry or a session, else ``ValueError``.
+
+    The one rule for every name a caller gives that becomes a path or a key, on every backend: 1-128 characters of
+    letters, digits, ``_``, ``.``, ``-``; a letter or digit first; not ending in ``.``; not a Windows device name
+    (``con``, ``nul``, ``com1``, ...). So a name is never ``.`` or ``..``, never holds a separator (``/``, ``\\``,
+    ``:``), never names a hidden or temporary file, never takes :data:`NO_TENANT` (the folder of the entries
+    without a tenant), and two distinct names are two distinct files, folders or keys."""
+    if not valid_name(name):
+        raise ValueError(f"{what} {name!r} must be 1-128 characters of letters, digits, '_', '.', '-', starting "
+                         "with a letter or digit and not ending in '.' (no separators, no '.' or '..', not a "
+                         "device name such as 'nul')")
     return name
+
+
+_SECRET_PARAM = re.compile(r"pass|pwd|user|secret|token|auth|cred|key", re.I)
+
+
+def redact_url(url) -> str:
+    """``url`` as it may be shown (reprs, logs, exception messages): no user name, password or secret query value.
+
+    The user information before ``@`` becomes ``***`` (``redis://user:pw@h``, ``redis://:pw@h``,
+    ``unix://user@/path``), the value of every query parameter whose name speaks of a secret (``password``,
+    ``username``, ``ssl_password``, ..., in any case, percent-encoded or not) becomes ``***``, and a fragment is
+    dropped. A URL whose parts cannot be told apart (an ``@`` after the host: a password holding ``/``, ``?``,
+    ``#`` or a query value holding ``@``) keeps its scheme only. A string without ``://`` (a folder) is returned
+    as it is."""
+    from urllib.parse import unquote_plus, urlsplit
+
+    text = str(url)
+    if "://" not in text:
+        return text
+    scheme = text.split("://", 1)[0]
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return f"{scheme}://***"
+    hostport = parts.netloc.rpartition("@")[2]
+    if "@" in parts.path + parts.query + parts.fragment:
+        return f"{scheme}://***"
+    out = f"{scheme}://{'***@' if '@' in parts.netloc else ''}{hostport}{parts.path}"
+    if parts.query:
+        shown = []
+        for piece in re.split(r"([&;])", parts.query):
+            name, eq, _ = piece.partition("=")
+            shown.append(f"{name}=***" if eq and _SECRET_PARAM.search(unquote_plus(name)) else piece)
+        out += "?" + "".join(shown)
+    return out
 
 
 def namespace(kind: str, identity_key: str) -> str:
@@ -188,7 +244,7 @@ class FolderBackend(_BudgetMixin):
         self.tenant = None if tenant is None else check_name(tenant, "tenant")
         self.max_bytes = max_bytes
         self.evictions = 0
-        self.base = self.root / (self.tenant or "_")
+        self.base = self.root / (self.tenant or NO_TENANT)
         self.base.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -241,6 +297,8 @@ class FolderBackend(_BudgetMixin):
         out = {}
         for file in sorted((self.base / check_name(ns, "namespace")).glob(f"*{self.SUFFIX}")):
             key = file.name[:-len(self.SUFFIX)]
+            if not valid_name(key):
+                continue  # not a file this backend wrote
             try:
                 m = self.meta(ns, key)
             except CorruptEntryError:
@@ -253,16 +311,17 @@ class FolderBackend(_BudgetMixin):
         self._file(ns, key).unlink(missing_ok=True)
 
     def namespaces(self) -> list[str]:
-        return sorted(p.name for p in self.base.iterdir() if p.is_dir() and _NAME.match(p.name))
+        return sorted(p.name for p in self.base.iterdir() if p.is_dir() and valid_name(p.name))
 
     def _sizes(self, ns):
         out = []
-        for file in (self.base / ns).glob(f"*{self.SUFFIX}"):
+        for file in (self.base / check_name(ns, "namespace")).glob(f"*{self.SUFFIX}"):
             try:
                 st = file.stat()
             except FileNotFoundError:
                 continue
-            out.append((st.st_mtime, file.name[:-len(self.SUFFIX)], st.st_size))
+            if valid_name(file.name[:-len(self.SUFFIX)]):
+                out.append((st.st_mtime, file.name[:-len(self.SUFFIX)], st.st_size))
         return out
 
     def usage(self, ns=None) -> list[NamespaceUsage]:

@@ -18,12 +18,36 @@ stores built on a backend treat as a miss.
 from __future__ import annotations
 
 import json
+import re
 import time
 
-from .base import (CorruptEntryError, NamespaceUsage, StoreUnavailableError, _BudgetMixin, _iter_chunks, check_name,
-               decode_entry, decode_meta, encode_entry)
+from .base import (_SECRET_PARAM, CorruptEntryError, NamespaceUsage, StoreUnavailableError, _BudgetMixin, _iter_chunks,
+                   check_name, decode_entry, decode_meta, encode_entry, redact_url, valid_name)
 
 PREFIX = "hfkv"
+
+
+def _secrets(url: str, kwargs: dict) -> list[str]:
+    """Every secret ``url`` and ``kwargs`` hold (user, password, secret query values; raw and decoded), longest
+    first: :meth:`RedisBackend._scrub` removes them from the server's and the client's error messages."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    found = [v for k, v in kwargs.items() if _SECRET_PARAM.search(k) and isinstance(v, (str, bytes))]
+    try:
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        found += re.split(r"[:@]", userinfo) + [unquote(x) for x in userinfo.split(":", 1)]
+        found += [v for k, v in parse_qsl(parts.query) if _SECRET_PARAM.search(k)]
+    except ValueError:
+        pass
+    return sorted({x.decode() if isinstance(x, bytes) else x for x in found if x}, key=len, reverse=True)
+
+
+def _client_desc(client) -> str:
+    """A ready client as it may be shown: its class and where it connects (never its credentials)."""
+    kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    where = kw.get("path") or (f"{kw.get('host')}:{kw.get('port')}/{kw.get('db', 0)}" if kw.get("host") else "")
+    return f"{type(client).__name__}({where})"
 
 
 def _redis():
@@ -57,12 +81,18 @@ class RedisBackend(_BudgetMixin):
         self.max_bytes = max_bytes
         self.evictions = 0
         if isinstance(url, str):
-            url = url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
+            url = re.sub(r"^valkey(s?)://", r"redis\1://", url, count=1, flags=re.I)
+            self._hidden = _secrets(url, kwargs)
             kwargs.setdefault("socket_timeout", 30)
-            self.client = redis.Redis.from_url(url, **kwargs)
-            self.url = url.split("@")[-1]  # no credentials in reprs and logs
+            try:
+                self.client = redis.Redis.from_url(url, **kwargs)
+            except ValueError as e:  # a malformed URL: the message may quote a part of it
+                raise ValueError(f"Redis store {redact_url(url)}: {self._scrub(str(e))}") from None
+            self.url = redact_url(url)  # no credentials in reprs, logs and errors
         else:
-            self.client, self.url = url, repr(url)
+            kw = getattr(getattr(url, "connection_pool", None), "connection_kwargs", None) or {}
+            self._hidden = _secrets("", kw)
+            self.client, self.url = url, _client_desc(url)
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         # a write the server refuses for its size or memory is a lost write (a future miss); an ACL refusal
         # (NoPermissionError) is a configuration error and propagates
@@ -79,7 +109,13 @@ class RedisBackend(_BudgetMixin):
         try:
             return fn(*args, **kwargs)
         except self._errors as e:
-            raise StoreUnavailableError(f"Redis store {self.url}: {type(e).__name__}: {e}") from e
+            raise StoreUnavailableError(f"Redis store {self.url}: {type(e).__name__}: {self._scrub(str(e))}") from e
+
+    def _scrub(self, text: str) -> str:
+        """``text`` without any credential this backend was given (a server or client message may quote one)."""
+        for secret in self._hidden:
+            text = text.replace(secret, "***")
+        return text
 
     # -- the protocol ---------------------------------------------------------------------------------------------
     def put(self, ns, key, meta, tensors) -> None:
@@ -88,7 +124,7 @@ class RedisBackend(_BudgetMixin):
             self._call(self.client.hset, self._key(ns, key), mapping={"meta": mb, "data": data})
         except self._refusals as e:  # over maxmemory (a single entry larger than it), over proto-max-bulk-len, ...
             raise StoreUnavailableError(f"Redis store {self.url}: the server refused an entry of {len(data)} bytes: "
-                                        f"{e}") from e
+                                        f"{self._scrub(str(e))}") from e
         self._enforce(ns, keep=key)
 
     def get(self, ns, key):
@@ -106,9 +142,12 @@ class RedisBackend(_BudgetMixin):
         return None if mb is None else decode_meta(ns, key, mb, f"redis key {rk}")["user"]
 
     def _keys(self, ns: str) -> list[str]:
-        pattern = f"{self.base}{check_name(ns, 'namespace')}:*"
-        return sorted(k.decode() if isinstance(k, bytes) else k
-                      for k in self._call(lambda: list(self.client.scan_iter(match=pattern, count=1000))))
+        """The keys of the entries of ``ns``: ``<base><ns>:<key>`` with a valid key (the pattern also matches keys
+        of another layout, e.g. those of a tenant named like this backend's prefix; they are not this backend's)."""
+        head = f"{self.base}{check_name(ns, 'namespace')}:"
+        keys = (k.decode() if isinstance(k, bytes) else k
+                for k in self._call(lambda: list(self.client.scan_iter(match=f"{head}*", count=1000))))
+        return sorted(k for k in keys if valid_name(k[len(head):]))
 
     def metas(self, ns):
         out = {}
@@ -132,7 +171,8 @@ class RedisBackend(_BudgetMixin):
 
     def namespaces(self) -> list[str]:
         keys = self._call(lambda: list(self.client.scan_iter(match=f"{self.base}*", count=1000)))
-        return sorted({(k.decode() if isinstance(k, bytes) else k)[len(self.base):].split(":", 1)[0] for k in keys})
+        names = [(k.decode() if isinstance(k, bytes) else k)[len(self.base):].split(":") for k in keys]
+        return sorted({n[0] for n in names if len(n) == 2 and valid_name(n[0]) and valid_name(n[1])})
 
     def _sizes(self, ns):
         keys = self._keys(ns)

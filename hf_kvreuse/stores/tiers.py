@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import CorruptEntryError, StoreUnavailableError, namespace, open_backend
+from . import CorruptEntryError, StoreUnavailableError, check_name, namespace, open_backend
 
 logger = logging.getLogger(__name__)
 
@@ -303,8 +303,9 @@ def save_session(session, store, name: str = "session", tenant: str | None = Non
     if getattr(session, "_trajectory", None) is not None:
         raise NotImplementedError("the base_lr policy's BaseLRCache trajectory cannot be saved yet (only the caches "
                                   "of the other policies are)")
+    check_name(name, "session name")
     backend = open_backend(store, tenant=tenant)
-    entries, options = session_snapshot(session)
+    entries, options = session_snapshot(session)  # it warns of what is not saved
     tensors, records = {}, []
     for i, e in enumerate(entries):
         t, meta = entry_to_record(e)
@@ -320,12 +321,13 @@ def load_session(store, model, name: str = "session", session_cls=None, tenant: 
     """A new ``session_cls`` session over ``model`` holding the caches of entry ``name`` (verified: entry checks,
     then the model's fingerprint and every tensor against the model). ``KeyError`` when the entry is absent;
     ``method_kwargs`` are merged as :func:`hf_kvreuse.persist.load_session` merges them."""
-    from ..persist import PersistedKVError, _check_identity, _merge_method_kwargs, entry_from_record, kv_layout
+    from ..persist import PersistedKVError, _check_identity, _merge_method_kwargs, _session_layout, entry_from_record
     from ..session_entry import _Entry
 
     if session_cls is None:
         raise TypeError("load_session needs the session class to build: call ReuseSession.load(url, model), or "
                         "pass session_cls=ReuseSession")
+    check_name(name, "session name")
     backend = open_backend(store, tenant=tenant)
     ns = _session_ns(model)
     try:
@@ -342,7 +344,7 @@ def load_session(store, model, name: str = "session", session_cls=None, tenant: 
     saved["method_kwargs"] = _merge_method_kwargs(saved, where, given)
     saved.pop("method_kwargs_not_saved", None)
     saved.update(options)
-    layout = kv_layout(model)
+    layout = _session_layout(model, manifest["entries"], where)
     session = session_cls(model, **saved)
     windows = getattr(session, "_windows", None)
     entries = []

@@ -185,6 +185,11 @@ class KVDirStore:
         return [h[2] for _, h in sorted(found.items(), key=lambda kv: kv[1][0]) if h[2] is not None]
 
     def info(self, eid: str) -> EntryInfo | None:
+        """The entry ``eid``, or None (absent, its JSON fails, or ``eid`` is not a name an entry can have)."""
+        from ..stores.base import valid_name
+
+        if not valid_name(eid):  # every id is a hex digest: never a path out of the folder
+            return None
         file = self.path / f"{eid}.json"
         if not file.exists():
             return None
@@ -218,6 +223,9 @@ class KVDirStore:
         if identity is not None and info.identity.key != identity.key:
             raise ModelMismatchError(f"entry {info.entry_id} holds K/V of {info.identity.path or 'another model'} "
                                      f"({info.identity.key[:16]}...), not of {identity.path} ({identity.key[:16]}...)")
+        from ..stores.base import check_name
+
+        check_name(info.entry_id, "entry id")  # never a path out of the folder
         # the tensors and the JSON that names them are read together: the fields checked are those of the writer
         # of these tensors
         tensors, meta = read_artifact(self.path, info.entry_id, "hf_kvreuse K/V store entry")
