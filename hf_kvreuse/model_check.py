@@ -408,3 +408,67 @@ def check_donor(model, kv, ids: torch.Tensor, length: int, who: str, what: str =
 
 def _describe_model(model) -> str:
     return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
+
+
+@torch.no_grad()
+def check_exact_donor(model, cache, ids: torch.Tensor, length: int, who: str, probe: bool = True,
+                      probe_tokens: int = 16) -> None:
+    """Refuse (``ValueError``) a donor passed as ``model``'s *exact* cache of ``ids`` (``donor_exact``) whose K/V
+    the model does not compute now. A cache whose producer tag names this model object with another weights
+    state is refused on the tag (:func:`stale_producer`), always; one it made with its present state passes on
+    the tag; any other, where ``probe`` (``verify_donor``), is probed: the model's own forward over the donor's first ``probe_tokens`` ids must give the keys
+    *and values* the donor holds there in *every* attention layer (an adapter on ``q_proj`` / ``v_proj`` leaves
+    layer 0's keys unchanged, not its values nor the later layers). The probe compares within the float
+    tolerance of the dtype: weights whose K/V differ by less than that rounding on the probed rows pass it; the
+    tag has no such gap."""
+    from .compat import cache_kwargs
+    from .devices import input_device
+    from .fingerprint import made_by, stale_producer
+    from .kv import kv_of
+
+    target = _target(model)
+    reason = stale_producer(cache, model, target)
+    if reason:
+        raise ValueError(
+            f"{who}: donor_exact=True for a donor cache that this {type(target).__name__} made with {reason} than it "
+            "has now: its K/V are not this model's exact prefix. Pass donor_exact=False (the donor then serves "
+            "re-positioned drafts, which verify checks), or a cache made with the present weights and adapters")
+    if not probe or length == 0 or made_by(cache, target) or made_by(cache, model):
+        return
+    from .hybrid import state_cache
+
+    m = min(probe_tokens, length)
+    mine = state_cache(target)
+    if mine is None:
+        from transformers import DynamicCache
+
+        mine = DynamicCache(config=target.config)
+    device = input_device(target)
+    with torch.autocast(device.type, enabled=False):
+        model(input_ids=ids.reshape(1, -1)[:, :m].to(device), use_cache=True, logits_to_keep=1,
+              **cache_kwargs(mine))
+    if hasattr(cache, "layers"):
+        theirs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
+    else:
+        theirs = list(kv_of(cache))
+    worst, where = 0.0, -1
+    for i, (layer, (tk, tv)) in enumerate(zip(mine.layers, theirs)):
+        mk, mv = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not torch.is_tensor(mk) or not torch.is_tensor(tk) or mk.numel() == 0:
+            continue  # a recurrent-state layer: no rows to compare
+        rows = mk.shape[-2]  # a sliding-window layer of the probe may keep fewer than m rows: its last ones
+        tk, tv = tk[..., m - rows:m, :], tv[..., m - rows:m, :]
+        if tk.shape != mk.shape or tv.shape != mv.shape:
+            raise ValueError(f"{who}: donor_exact=True for a donor whose layer-{i} K/V have shape {tuple(tk.shape)}, "
+                             f"which this {type(target).__name__} does not produce ({tuple(mk.shape)})")
+        tol = max(_tolerance(mk.dtype), _tolerance(tk.dtype))
+        for a, b in ((tk, mk), (tv, mv)):
+            err = _rel(a.to(b.device), b) / tol
+            if err > worst or err != err:
+                worst, where = err, i
+    if not worst <= 1.0:
+        raise ValueError(
+            f"{who}: donor_exact=True for a donor cache that this {type(target).__name__} does not compute with its "
+            f"present weights and adapters: its layer-{where} keys or values over its first {m} tokens differ from "
+            f"the model's own by {worst:.3g} times the tolerance. It comes from another adapter, other weights or "
+            "another model. Pass donor_exact=False (verified drafts), or the cache this model's generate returned")

@@ -21,7 +21,7 @@ class _Entry:
     exact: bool
     agent: str | None
     nbytes: int
-    producer: str       # model_fingerprint of the weights (and active adapters) that made the K/V
+    producer: str       # identity of what made the K/V: model_fingerprint, or the session's weights_state token
     # prompt boundaries: {m: the sliding-window layers' rows a cache of the first m tokens keeps} (sliding.py)
     marks: dict = field(default_factory=dict)
 

@@ -53,6 +53,7 @@ from ..generation.fused import PendingRows, returns_internals
 from ..generation.partial import partial_forward
 from ..hybrid import attention_rows, check_state_donor, copy_states, plan_draft, rewind, state_at, state_cache, \
     state_indices
+from ..model_check import check_exact_donor
 from ..model_check import check_donor
 from ..kv import alloc_layer, copy_shifted_, kv_length, kv_of, load_kv, release_kv, release_layer
 from ..rope import RopeShifter
@@ -238,7 +239,10 @@ class OptimisticCache(KVReuseCache):
         ``generate``, or by an OptimisticCache with ``stats.exact``), per donor for a list. The longest common
         prefix with an exact donor is then exact K/V for this prompt as well: the background prefill starts
         after it instead of at 0 (prefix caching, without its risk). Default: no donor is trusted, the exact
-        prefill covers the whole prompt.
+        prefill covers the whole prompt. A donor passed as exact whose producer tag shows this model with other
+        weights, another adapter state (LoRA scaling included) or config is refused (``ValueError``), also with
+        ``verify_donor=False``; with ``verify_donor`` an untagged one must match the model's own keys and values
+        in every layer over its first tokens (:func:`hf_kvreuse.model_check.check_exact_donor`).
     rebase : {"verify", "commit"}, default="verify"
         What happens to the tokens emitted before the swap (module docstring). "verify" (the default everywhere in
         hf_kvreuse): they are drafts checked by the exact logits; the output equals plain ``generate``'s token for
@@ -413,7 +417,8 @@ class OptimisticCache(KVReuseCache):
         self._budget = None
         self._threads_lowered = False
         self.verify_donor = verify_donor
-        self._donor_lens = [self._check_donor(c, d) for c, d in zip(self.donor_caches, self.donor_ids_list)]
+        self._donor_lens = [self._check_donor(c, d, e)
+                            for c, d, e in zip(self.donor_caches, self.donor_ids_list, self.donor_exact)]
         self._points = self._check_donor_states(donor_states) if self._states else None
         self.stats.donors = len(caches)
 
@@ -557,10 +562,13 @@ class OptimisticCache(KVReuseCache):
             torch.set_num_threads(self._fg_threads)
             self._threads_lowered = False
 
-    def _check_donor(self, donor_cache, donor_ids: torch.Tensor) -> int:
-        """Validate a donor against the model; return how many donor tokens have K/V."""
+    def _check_donor(self, donor_cache, donor_ids: torch.Tensor, exact: bool = False) -> int:
+        """Validate a donor against the model; return how many donor tokens have K/V. ``exact`` (its
+        ``donor_exact`` flag): a producer tag showing this model with other weights, adapters or config refuses
+        it, and with ``verify_donor`` an untagged one is probed on every layer's keys and values
+        (:func:`~hf_kvreuse.model_check.check_exact_donor`)."""
         if self._states:
-            return self._check_state_donor(donor_cache, donor_ids)
+            return self._check_state_donor(donor_cache, donor_ids, exact)
         donor_kv = kv_of(donor_cache)
         rows = {k.shape[-2] for k, _ in donor_kv}
         # a transformers sliding layer that has seen more tokens than it holds: its first rows are gone
@@ -587,9 +595,11 @@ class OptimisticCache(KVReuseCache):
             raise ValueError(f"donor_ids has {donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
         if self.verify_donor:
             check_donor(self.model, donor_cache, donor_ids, donor_len, who=type(self).__name__)
+        if exact:
+            check_exact_donor(self.model, donor_cache, donor_ids, donor_len, type(self).__name__, self.verify_donor)
         return donor_len
 
-    def _check_state_donor(self, donor_cache, donor_ids: torch.Tensor) -> int:
+    def _check_state_donor(self, donor_cache, donor_ids: torch.Tensor, exact: bool = False) -> int:
         """A hybrid's donor: a cache of this model's own layer kinds (the same recurrent-state layers); return how
         many tokens its attention layers hold (its states stand for as many)."""
         name = type(self.model).__name__
@@ -612,6 +622,8 @@ class OptimisticCache(KVReuseCache):
             raise ValueError(f"donor_ids has {donor_ids.shape[1]} tokens but donor_cache covers {donor_len}")
         if self.verify_donor:
             check_state_donor(self.model, donor_cache, donor_ids, donor_len, states, type(self).__name__)
+        if exact:
+            check_exact_donor(self.model, donor_cache, donor_ids, donor_len, type(self).__name__, self.verify_donor)
         return donor_len
 
     def _check_donor_states(self, donor_states) -> list[list[int]]:
@@ -860,7 +872,7 @@ class OptimisticCache(KVReuseCache):
         for key in ("output_attentions", "output_hidden_states"):
             if kwargs.get(key) or getattr(kwargs.get("generation_config") or model.generation_config, key, False):
                 raise ValueError(f"{key}=True is not supported with rebase='verify' (drafts are withdrawn); "
-                                 "use rebase='commit'")
+                                 "run plain generate for them")
         cfg = kwargs.get("generation_config") or model.generation_config
         want = {k: kwargs.get(k, getattr(cfg, k, False)) for k in ("return_dict_in_generate", "output_scores",
                                                                   "output_logits")}
