@@ -24,14 +24,16 @@ docs: $(VENV)/.docs-installed
 demo: install
 	$(PY) examples/demo.py
 
-# every test but the benchmark smoke runs (minutes each; .ci/run runs those too, with make test-bench-smoke)
+# every test but the benchmark smoke runs (minutes each; .ci/run runs those too, with make test-bench-smoke);
+# every property test draws the same inputs on every run (tests/conftest.py: a derandomized hypothesis profile)
 test: install
 	$(PY) -m pytest -q -m "not bench_smoke"
 
 test-bench-smoke: install
 	$(PY) -m pytest -q -m bench_smoke
 
-# the property-based fuzzing harness, long profile (docs/fuzzing.md); `make test` runs its fast profile
+# the property-based fuzzing harness, long profile (docs/fuzzing.md): random search, new inputs each run
+# (HF_KVREUSE_FUZZ=long also leaves tests/conftest.py's derandomized profile off); `make test` runs its fast profile
 fuzz: install
 	HF_KVREUSE_FUZZ=long HF_KVREUSE_FUZZ_REPORT=fuzz-report.json $(PY) -m pytest -q -s tests/fuzz
 

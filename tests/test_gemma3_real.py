@@ -1,8 +1,9 @@
 """Gemma 3 270M (base; 5 sliding-window layers of window 512 to 1 global layer), loaded offline from its PyPI
-wheels: ``ReuseSession``'s default over 3 agents x 2 rounds, a shared document longer than the window, each agent's
+wheels: ``ReuseSession(policy="prefix")`` over 3 agents x 2 rounds, a shared document longer than the window, each agent's
 second prompt extending its first. Every answer equals plain ``generate`` (tokens and logits) and every second-round
 call reuses its agent's whole first prompt as an exact prefix (method ``"prefix"``), although the first answer moved
-the sliding windows past it.
+the sliding windows past it. (Policy ``"prefix"``, not the default ``"auto"``: which method ``"auto"`` picks
+for a call depends on the session's measured call times, so the reuse asserted here would depend on the load.)
 
 Planted bug that fails it: ``WindowSnapshot.put`` copies at the third call instead of the second (no prompt-boundary
 copy: the second round reuses nothing, method ``"full"``).
@@ -37,7 +38,7 @@ def test_agents_reuse_past_the_window(gemma):
     bos = torch.tensor([[tok.bos_token_id]])
     roles = [tok(f" You are agent {a}. Answer briefly.", add_special_tokens=False, return_tensors="pt").input_ids
              for a in range(3)]
-    session = ReuseSession(model)
+    session = ReuseSession(model, policy="prefix")
     kw = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
     first = {}
     transcript = torch.empty(1, 0, dtype=torch.long)

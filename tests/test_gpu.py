@@ -164,11 +164,16 @@ def test_every_cache_on_cuda_bf16(method, zoo_fp32):
     # under auto on CUDA the choices are measured: "auto(kernel=backend, ...)"
     assert (runs["auto"]["kernels"].startswith("auto") if ON_CUDA else runs["auto"]["kernels"] == "torch")
     assert runs["torch"]["kernels"] == "torch"
-    n = runs["torch"]["tokens"].shape[1] - runs["torch"]["logits"].shape[0]
-    assert torch.equal(runs["auto"]["tokens"][:, :n], runs["torch"]["tokens"][:, :n])
+    n = runs["torch"]["tokens"].shape[1] - runs["torch"]["logits"].shape[0]  # the prompt's length
+    assert torch.equal(runs["auto"]["tokens"][:, :n], runs["torch"]["tokens"][:, :n])  # one prompt for both runs
     ref = runs["ref"]["logits"][0]
     err_torch = (runs["torch"]["logits"][0] - ref).abs().max().item()
     err_auto = (runs["auto"]["logits"][0] - ref).abs().max().item()
+    # the first generated token (the former check compared only the prompt, which is the same input in both runs):
+    # equal wherever the torch run's top-2 margin exceeds both runs' bf16 errors (a closer tie may flip honestly)
+    top2 = runs["torch"]["logits"][0].float().topk(2, dim=-1).values
+    if (top2[..., 0] - top2[..., 1]).min().item() > 2 * (err_auto + err_torch):
+        assert torch.equal(runs["auto"]["tokens"][:, n], runs["torch"]["tokens"][:, n]), method
     assert err_auto <= 2 * err_torch + 5e-2, f"{method}: Triton bf16 error {err_auto:.3g}, torch bf16 {err_torch:.3g}"
     ta, tt = int(runs["auto"]["tokens"][0, n]), int(runs["torch"]["tokens"][0, n])
     assert ta == tt or abs(ref[ta] - ref[tt]).item() <= err_auto + err_torch, \

@@ -218,7 +218,11 @@ def test_peak_memory_sees_a_transient_allocation():
         buf = mmap.mmap(-1, 64 * 2**20)
         for off in range(0, len(buf), mmap.PAGESIZE):
             buf[off] = 1  # touch every page: resident
-        time.sleep(0.05)  # at least one sample while it is alive
+        # at least one whole sample while it is resident: wait for the sampler thread to take two more samples
+        # (a fixed sleep assumed the thread gets scheduled within it, which a loaded machine does not promise)
+        seen, hang_guard = mem.samples, time.monotonic() + 120
+        while mem.samples < seen + 2 and time.monotonic() < hang_guard:
+            time.sleep(0.001)
         buf.close()
     assert mem.peak_bytes >= 60 * 2**20
     assert mem.end_bytes < 32 * 2**20

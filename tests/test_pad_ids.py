@@ -28,18 +28,11 @@ CASES = int(__import__("os").environ.get("HF_KVREUSE_PAD_CASES", "40"))
 
 
 @functools.lru_cache(maxsize=None)
-def _model(arch):
-    try:
-        return enable(zoo_model(arch))
-    except Exception as e:  # noqa: BLE001 - an architecture the installed transformers cannot build
-        return f"{type(e).__name__}: {str(e)[:200]}"
-
-
 def _get(arch):
-    model = _model(arch)
-    if isinstance(model, str):
-        pytest.skip(f"{arch} does not build here: {model}")
-    return model
+    """The enabled tiny model. No skip: every family in ARCHS builds on every supported transformers release, and
+    an error here (the builder's or ``enable``'s) is a failure, not a skip (inside the property a skip would
+    skip the whole test)."""
+    return enable(zoo_model(arch))
 
 
 @pytest.fixture(scope="module", autouse=True)

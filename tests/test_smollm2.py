@@ -114,21 +114,16 @@ def test_kvreuse_pipeline_builds_a_cache_per_input(smollm2):
     assert len(made) == 2 and all(c.stats.exact and c.stats.swap_step == 0 for c in made)
 
 
-def test_model_check_on_smollm2_is_cheap_and_passes(smollm2):
-    """The one-time probe on a real 30-layer model: every mechanism matches, in well under a second (the README
-    quotes the figure measured on the 2-core CPU with nothing else running)."""
-    import time
-
+def test_model_check_on_smollm2_passes(smollm2):
+    """The one-time probe on a real 30-layer model: every mechanism matches. (Its cost, well under a second on the
+    2-core CPU, is a benchmark figure quoted in the README, not asserted here: a wall-clock limit fails under load.)"""
     from hf_kvreuse.model_check import check_model
 
     model, _ = smollm2
-    check_model(model)  # warm (first forward of the process)
-    t = time.perf_counter()
+    check_model(model)
     report = check_model(model, refresh=True)
-    elapsed = time.perf_counter() - t
     assert report.rope_layout == "half" and report.rope_ok and report.engine_ok and report.layers_ok
     assert report.invariance_error < 1e-4 and report.engine_error < 1e-4
-    assert elapsed < 2.0, f"model check took {elapsed:.3f} s"
 
 
 def test_chat_continuation_after_optimistic_turn(two_agents, smollm2):
