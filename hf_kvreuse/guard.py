@@ -55,13 +55,16 @@ def unclean_under_gate(cache_stats: dict, gate: float) -> bool | None:
     """Whether a call's optimistic tokens, under ``rebase="commit"`` with ``gate``, included one that full prefill
     would not have produced. None: the call says nothing about it (no drafts, or an exact method).
 
-    A commit call (``rebase == "commit"``): its own count, ``divergent_tokens > 0``. A verified call: replay the
+    A commit call (``rebase == "commit"``): its own count, ``divergent_tokens > 0`` (clean when the gate fired at
+    its first token: it emitted none). A verified call: replay the
     gate on its drafts: the first withdrawn draft (index ``accepted_tokens`` when ``rejected_tokens``) is unclean
     when no step before it or at it had a margin below ``gate`` (``draft_margins``)."""
     rebase = cache_stats.get("rebase")
     if rebase == "commit":
         div = cache_stats.get("divergent_tokens")
-        return None if div is None else div > 0
+        if div is None:  # no optimistic token emitted (the gate fired at the first one): nothing left full prefill
+            return False if cache_stats.get("optimistic_tokens") == 0 and cache_stats.get("gated_step") == 0 else None
+        return div > 0
     if rebase != "verify":
         return None
     accepted = cache_stats.get("accepted_tokens")
@@ -104,9 +107,10 @@ class DivergenceGuard:
                 return "commit", f"fast: no record of agent {key!r} yet: gated commit (gate {c.gate})"
             bad = sum(r.outcomes)
             if r.cooldown > 0 or bad > c.max_unclean:
-                return "verify", (f"fast: agent {key!r}'s drafts left full prefill's tokens in {bad} of its last "
-                                  f"{len(r.outcomes)} calls (> {c.max_unclean}): verified drafts (exact)")
-            return "commit", (f"fast: agent {key!r}'s drafts were clean in {len(r.outcomes) - bad} of its last "
+                return "verify", (f"fast: the drafts of agent {key!r} left full prefill's tokens in {bad} of its "
+                                  f"last {len(r.outcomes)} calls (limit {c.max_unclean}"
+                                  f"{', cooling down' if r.cooldown else ''}): verified drafts (exact)")
+            return "commit", (f"fast: the drafts of agent {key!r} were clean in {len(r.outcomes) - bad} of its last "
                               f"{len(r.outcomes)} calls: gated commit (gate {c.gate})")
 
     def record(self, key: str | None, cache_stats: dict | None) -> bool | None:

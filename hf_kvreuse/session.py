@@ -17,7 +17,8 @@ each new prompt,
    raises, where the model or the call rules drafts out, and ``last_stats.reason`` says why.
 
 Policies: ``"full"`` (plain prefill), ``"prefix"`` (exact prefix only: the vLLM / SGLang baseline),
-``"optimistic"``, ``"auto"``, and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"``, ``"focus"``
+``"optimistic"``, ``"auto"``, ``"fast"`` (approximate: ``"auto"``'s choice with drafts committed under a confidence
+gate while an online guard of each agent's divergence allows it, :mod:`hf_kvreuse.guard`), and the block baselines ``"direct"``, ``"blend"``, ``"epic"``, ``"tail"``, ``"focus"``
 (needs ``method_kwargs=dict(tokenizer=...)``) and ``"latent"`` over the session's own caches as blocks
 (RelayCaching-style reuse of earlier agents' K/V, each span taken with the K/V it had in its earlier call),
 ``"translated"`` (a smaller model prefills; it needs ``method_kwargs=dict(source_model=..., mapper=...)``) and
@@ -45,6 +46,7 @@ from .auto import AutoChooser
 from .compat import CACHE_KW, CACHE_NAMES
 from .devices import input_device, layer_devices, offloaded, place_kv
 from .generation.options import STEPWISE_MODES, call_options, plain_only_call
+from .guard import DivergenceGuard, GuardConfig
 from .inputs import inferred_padding, prompt_ids, refuse_inferred_padding
 from .kv import KV, kv_of, load_kv
 from .model_check import UnsupportedModelError
@@ -55,7 +57,7 @@ from .hybrid import state_at, state_cache, state_continues, state_indices, state
 from .sliding import WindowSnapshot, boundary_kv, keep_history, take_history
 from .timing import TokenTimer, synchronize
 
-POLICIES = ("auto", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
+POLICIES = ("auto", "fast", "full", "prefix", "optimistic", "direct", "blend", "epic", "tail", "focus", "latent", "translated",
             "base_lr")
 BLOCK_POLICIES = ("direct", "blend", "epic", "tail", "focus", "latent")
 
@@ -177,6 +179,9 @@ class SessionStats:
         ``session.nbytes`` after the call.
     cache_stats : dict or None
         The method cache's own stats (``cache.stats.as_dict()``).
+    guard_mode : str or None
+        Policy ``"fast"``: what the session's divergence guard allowed this call (``"commit"``: gated committed
+        drafts, approximate; ``"verify"``: verified drafts, exact), None otherwise.
     """
 
     policy: str                      # the policy asked for
@@ -202,6 +207,7 @@ class SessionStats:
     evicted: int = 0                 # held caches evicted after this call
     held_bytes: int = 0              # session.nbytes after the call
     cache_stats: dict | None = None  # the method cache's own stats
+    guard_mode: str | None = None    # policy "fast": what its divergence guard allowed ("commit" or "verify")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -329,6 +335,11 @@ class ReuseSession:
         block end. ``"optimistic"`` drafts from these copies too: a
         held call's span over the shared document, cut at one of its copies (:class:`OptimisticCache`, hybrids).
 
+    guard : GuardConfig or DivergenceGuard, optional
+        Policy ``"fast"``: the confidence gate and the online divergence guard (:mod:`hf_kvreuse.guard`); a
+        :class:`~hf_kvreuse.guard.DivergenceGuard` passed here is shared (e.g. by the sessions of one workflow run
+        over many documents). Default: ``GuardConfig()``.
+
     Examples
     --------
     >>> session = ReuseSession(model, max_bytes=2 << 30)
@@ -358,7 +369,8 @@ class ReuseSession:
 
     def __init__(self, model, max_bytes: int = 2 << 30, policy: str = "auto", min_span: int = 4,
                  min_donor_tokens: int = 32, method_kwargs: dict | None = None, rebase: str = "verify",
-                 sliding_history: bool = True, state_block: int = 256, state_copies: int | None = 2):
+                 sliding_history: bool = True, state_block: int = 256, state_copies: int | None = 2,
+                 guard: GuardConfig | DivergenceGuard | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if max_bytes <= 0:
@@ -384,6 +396,12 @@ class ReuseSession:
         if state_copies is not None and state_copies < 0:
             raise ValueError(f"state_copies must be >= 0 or None, got {state_copies}")
         self.state_copies = state_copies
+        if guard is not None and not isinstance(guard, (GuardConfig, DivergenceGuard)):
+            raise TypeError(f"guard must be a GuardConfig or a DivergenceGuard, got {type(guard).__name__}")
+        #: policy "fast": per agent, how often committed drafts left full prefill's tokens (a DivergenceGuard may
+        #: be shared by several sessions of one workflow)
+        self.guard = guard if isinstance(guard, DivergenceGuard) else DivergenceGuard(guard)
+        self._call = threading.local()  # this thread's call: the fast guard's mode while it runs
         self.last_stats: SessionStats | None = None
         self.calls = 0
         #: what ``"auto"`` measured on this session's calls (per device and thread count)
@@ -523,7 +541,7 @@ class ReuseSession:
         return any(self._windows) and self.sliding_history
 
     def _check_policy_for_sliding(self, policy: str) -> None:
-        allowed = ("auto", "full", "prefix") + (("optimistic",) if self.sliding_history else ())
+        allowed = ("auto", "fast", "full", "prefix") + (("optimistic",) if self.sliding_history else ())
         if policy not in allowed:
             what = ("OptimisticCache needs held caches with every row: sliding_history=True" if policy == "optimistic"
                     else "only OptimisticCache serves such models")
@@ -542,7 +560,7 @@ class ReuseSession:
                 raise ValueError(f"policy='optimistic' cannot draft on {type(self.model).__name__} (a "
                                  f"linear-attention hybrid): {why}. Use policy 'auto' or 'prefix', or 'full'")
             return
-        if policy not in ("auto", "full", "prefix"):
+        if policy not in ("auto", "fast", "full", "prefix"):
             raise ValueError(f"policy={policy!r} reuses K/V that {type(self.model).__name__} does not have: its "
                              f"{self._state_reason}. Use policy 'auto' or 'prefix' (exact prefixes through held "
                              "states), 'optimistic' (verified drafts from held states), or 'full' (plain generate)")
@@ -557,6 +575,8 @@ class ReuseSession:
         policy = policy or self.policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
+        if policy == "fast":
+            return self._generate_fast(input_ids, agent, generate_kwargs)
         _check_focus(policy, self.method_kwargs)
         for name in CACHE_NAMES:
             if generate_kwargs.get(name) is not None:
@@ -601,6 +621,57 @@ class ReuseSession:
             if not opts.use_cache:
                 return self._generate_uncached(ids, agent, policy, generate_kwargs)
             return self._generate(ids, agent, policy, generate_kwargs, opts)
+
+    def _generate_fast(self, input_ids, agent, generate_kwargs: dict):
+        """Policy ``"fast"`` (approximate): ``"auto"``'s choice, with drafts from held caches committed under the
+        confidence gate while the guard allows it for this agent (:class:`~hf_kvreuse.guard.DivergenceGuard`), or
+        verified (exact) once its drafts have left full prefill's tokens too often; every call's outcome (the
+        divergence the swap counts, or what the verified drafts say a gated commit would have done) goes back to
+        the guard. Calls ``"auto"`` serves exactly (an exact prefix, plain prefill) stay exact."""
+        if self.method_kwargs.get("rebase") == "verify" or "gate" in self.method_kwargs:
+            raise ValueError("policy='fast' sets rebase and the gate itself: leave them out of method_kwargs (the "
+                             "gate is guard=GuardConfig(gate=...))")
+        mode, why = self.guard.decide(agent)
+        self._call.fast = (mode, why, agent)
+        try:
+            return self.generate(input_ids, agent=agent, policy="auto", **generate_kwargs)
+        finally:
+            self._call.fast = None
+
+    def _fast(self):
+        """``(mode, reason, agent)`` of the guard while a ``"fast"`` call runs in this thread, else None."""
+        return getattr(self._call, "fast", None)
+
+    def _rebase_for_call(self) -> str:
+        fast = self._fast()
+        if fast is not None:
+            return fast[0]
+        return self.method_kwargs.get("rebase", self.rebase)
+
+    def _cache_kwargs_for_call(self) -> dict:
+        """``method_kwargs`` of this call's OptimisticCache: policy ``"fast"`` adds its mode and gate."""
+        fast = self._fast()
+        if fast is None:
+            return dict(self.method_kwargs)
+        kw = {k: v for k, v in self.method_kwargs.items() if k not in ("rebase", "gate")}
+        kw["rebase"] = fast[0]
+        if fast[0] == "commit":
+            kw["gate"] = self.guard.config.gate
+        return kw
+
+    def _set_last(self, stats: "SessionStats") -> None:
+        """The call's stats become ``last_stats``; a ``"fast"`` call's are labelled and taught to its guard."""
+        fast = self._fast()
+        if fast is not None:
+            mode, why, agent = fast
+            stats.policy = "fast"
+            if stats.method == "optimistic":
+                stats.guard_mode = mode
+                self.guard.record(agent, stats.cache_stats)
+                stats.reason = why
+            else:
+                stats.reason = f"fast: {stats.reason}" if stats.reason else "fast: exact path"
+        self.last_stats = stats
 
     def _plain_only(self, policy: str, opts, kwargs: dict) -> str | None:
         """Why this call runs as plain ``generate`` with nothing held (None: the policy runs): a generate option or
@@ -650,7 +721,7 @@ class ReuseSession:
         stats.generated_tokens = int(sequences.shape[1] - ids.shape[1])
         stats.held_bytes = self.nbytes
         self.calls += 1
-        self.last_stats = stats
+        self._set_last(stats)
         return out
 
     def _generate_states(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
@@ -718,7 +789,7 @@ class ReuseSession:
                                  boundaries=boundaries)
             stats.held_bytes = self.nbytes
         self.calls += 1
-        self.last_stats = stats
+        self._set_last(stats)
         return out
 
     def _generate_state_drafts(self, ids: torch.Tensor, agent, policy: str, kwargs: dict):
@@ -780,7 +851,7 @@ class ReuseSession:
                                  boundaries={**kept, **cache.state_snapshots})
             stats.held_bytes = self.nbytes
         self.calls += 1
-        self.last_stats = stats
+        self._set_last(stats)
         return out
 
     def _hold_state(self, ids: torch.Tensor, cache, agent, producer: str, stats: SessionStats,
@@ -934,7 +1005,7 @@ class ReuseSession:
             else:
                 stats.held_bytes = self.nbytes
         self.calls += 1
-        self.last_stats = stats
+        self._set_last(stats)
         return out
 
     def _auto(self, ids: torch.Tensor, al: Alignment | None, prefix: int, exact_method: str, opts,
@@ -955,6 +1026,8 @@ class ReuseSession:
             self._no_drafts = self._model_reason()  # probed once per session (the probe itself is cached per model)
         if self._no_drafts:
             return exact_method, self._no_drafts
+        if self._fast() is not None:  # policy "fast": drafts, committed or verified as its guard allows
+            return "optimistic", self._fast()[1]
         if self.rebase == "commit" or self.method_kwargs.get("rebase") == "commit":
             return "optimistic", "rebase='commit' asked for (approximate: answers may differ)"
         draft, why = self.chooser.choose(ids.device, n, n - prefix)
@@ -1012,7 +1085,7 @@ class ReuseSession:
             self._trajectory, stats.stored, stats.evicted = None, False, 1
         stats.held_bytes = self.nbytes
         self.calls += 1
-        self.last_stats = stats
+        self._set_last(stats)
         return out
 
     # -- one cache per method --------------------------------------------------------------------------------
@@ -1061,8 +1134,9 @@ class ReuseSession:
             # held caches were made by this model (under some adapter): no donor probe
             # sliding-window layers: the returned cache keeps every row too, a donor for later calls
             return OptimisticCache(self.model, ids, caches, dids, donor_exact=exact,
-                                   **{"min_span": self.min_span, "verify_donor": False, "rebase": self.rebase,
-                                      "sliding_history": self._drafts_on_sliding(), **kw}), used
+                                   **{"min_span": self.min_span, "verify_donor": False,
+                                      "rebase": self._rebase_for_call(), "sliding_history": self._drafts_on_sliding(),
+                                      **self._cache_kwargs_for_call()}), used
         return self._block_cache(method, ids, entries, al, kw, producer), used
 
     def _block_cache(self, method: str, ids, entries, al: Alignment, kw: dict, producer: str):
