@@ -113,6 +113,7 @@ def run(args, checkpoint=None) -> dict:
     """Every cell of the bench; ``checkpoint(result)`` is called with the partial result after every question."""
     from tqdm.auto import tqdm
 
+    from .guard import DivergenceGuard
     from .session import ReuseSession
     from .workflows.datasets import contains_answer, normalize_answer
     from .workflows.graphs import run_workflow
@@ -127,6 +128,7 @@ def run(args, checkpoint=None) -> dict:
     jobs = [(w, c) for w in args.workflows for c in args.context_tokens]
     data = {c: questions(tok, args.n, c, args.seed, getattr(args, "dataset", "squad")) for c in args.context_tokens}
     span = question_span(args)
+    guards: dict = {}
     bar = tqdm(total=len(jobs) * len(span) * (len(methods) - bool(reference)), desc="bench", unit="workflow")
     for shape, ctx in jobs:
         for q in span:
@@ -136,6 +138,8 @@ def run(args, checkpoint=None) -> dict:
                     records.append(dict(reference[(shape, ctx, q)], reference=args.reference))
                     continue
                 extra = {"method_kwargs": {"tokenizer": tok}} if method.split(":")[0] == "focus" else {}
+                if method == "fast":  # one guard for the whole run: a deployed workflow keeps its record
+                    extra["guard"] = guards.setdefault(method, DivergenceGuard())
                 session = ReuseSession.for_method(model, method, max_bytes=args.max_bytes, **extra)
                 run_ = run_workflow(session, tok, doc, item.question, shape=shape, rounds=args.rounds,
                                     max_new_tokens=args.max_new_tokens)
