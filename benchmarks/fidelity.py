@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(doc, indent=1, default=str))
     try:
         plot(doc, out.with_suffix(".png"))
+        plot(doc, Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "fidelity.png")  # the docs' copy
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     print(table(doc))

@@ -114,8 +114,14 @@ def _vllm(path: Path) -> str:
     return _bench("vllm_connector").table(json.loads(path.read_text()))
 
 
+def _fidelity(path: Path) -> str:
+    return _bench("fidelity").table(json.loads(path.read_text()))
+
+
 #: (section title, results file relative to benchmarks/results, renderer, the page that discusses it)
 TABLES = [
+    ("Fidelity frontier: role-first agents, task accuracy against first token", "fidelity.json", _fidelity,
+     "../guide/speed-or-exactness.md"),
     ("ReuseSession workflows, Qwen2.5-Coder-0.5B (accuracy)", "bench/qwen/bench.json", _session_bench,
      "session-workflows.md"),
     ("ReuseSession workflows, SmolLM2-135M (timing)", "bench/smollm2_timing/bench.json", _session_bench,

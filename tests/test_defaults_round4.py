@@ -207,9 +207,18 @@ def test_auto_equals_plain_generate_under_every_option(llama, assistant, option,
     s.generate(a, max_new_tokens=4, **GREEDY)
     gen = dict(GREEDY, max_new_tokens=5, **OUT, **kw)
     torch.manual_seed(seed)
-    out = s.generate(b, **gen)
+    try:
+        ref = _plain(llama, b, **gen)
+    except (TypeError, AttributeError, ValueError) as e:  # this transformers release's own generate refuses it:
+        torch.manual_seed(seed)                             # the session fails the same way, and stays usable
+        with pytest.raises(type(e)):
+            s.generate(b, **gen)
+        torch.manual_seed(seed)
+        plain = dict(GREEDY, max_new_tokens=3, **OUT)
+        _assert_same(s.generate(b, **plain), _plain(llama, b, **plain))
+        return
     torch.manual_seed(seed)
-    ref = _plain(llama, b, **gen)
+    out = s.generate(b, **gen)
     _assert_same(out, ref)
     st_ = s.last_stats
     assert st_.exact_output and st_.reason, st_
