@@ -1,12 +1,12 @@
 """Three agents over one SQuAD document on SmolLM2-135M-Instruct: plain generate against each way to reuse K/V.
 
 The researcher answers, the critic checks the answer, the writer writes the final reply; each agent's prompt holds
-the document, the question and the earlier answers. Four ways to run the same workflow, each call timed beside
+the document, the question and the earlier answers. Three ways to run the same workflow, each call timed beside
 plain ``generate`` of the same prompt:
 
-1. **exact prefix reuse, shared text first**: the prompts start with the document and question and put each
-   agent's role after them, so a later agent's prompt starts with an earlier one's: ``ReuseSession()`` (the
-   default, exact) reuses that prefix;
+1. **shared text first** (the default, exact): the prompts start with the document and question and put each
+   agent's role after them, so a later agent's prompt starts with an earlier one's: ``ReuseSession()`` reuses
+   that prefix exactly (and verifies drafts of the rest where it measures that they pay);
 2. **verified drafts, role text first** (``policy="optimistic"``): each agent's own role text comes first, so no
    prefix is shared; drafts from the earlier agents' re-positioned K/V are verified against an exact prefill
    (the answer is plain ``generate``'s; the first verified token waits for that prefill, so on a CPU it comes
@@ -97,7 +97,7 @@ def main():
     print(f"\nQuestion: {item.question}   (gold: {item.answers[0]})")
     print("Each line: this call against plain generate of the same prompt, timed side by side.")
 
-    run(model, tok, document, item.question, gen, "exact prefix reuse, shared text first: ReuseSession() (default)",
+    run(model, tok, document, item.question, gen, "shared text first: ReuseSession() (the default, exact)",
         ReuseSession(model), shared_first=True)
     run(model, tok, document, item.question, gen, "verified drafts, role text first: ReuseSession(policy='optimistic')",
         ReuseSession(model, policy="optimistic"), shared_first=False)

@@ -6,7 +6,6 @@ source cache in the session's method_kwargs, reading a session from another thre
 Every test names in its docstring a planted bug that makes it fail (docs/MUTATIONS.md)."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -396,28 +395,88 @@ def _pause(monkeypatch, name):
 
     def paused(self, *a, **k):
         inside.set()
-        go.wait(10)
+        go.wait(30)
         return real(self, *a, **k)
 
     monkeypatch.setattr(ReuseSession, name, paused)
     return inside, go
 
 
+class _RecordingLock:
+    """A session lock (``_lock`` / ``_state``) that records which named threads tried to take it: ``tried(name)``
+    is set when that thread asks for it, before it waits. A test then knows, without sleeping, that a thread
+    reached the lock and is blocked on it (its ``done`` event is still clear)."""
+
+    def __init__(self, lock, *names):
+        self._inner = lock
+        self._tried = {name: threading.Event() for name in names}
+
+    def tried(self, name) -> threading.Event:
+        return self._tried[name]
+
+    def _note(self):
+        ev = self._tried.get(threading.current_thread().name)
+        if ev is not None:
+            ev.set()
+
+    def acquire(self, *a, **k):
+        self._note()
+        return self._inner.acquire(*a, **k)
+
+    def release(self):
+        return self._inner.release()
+
+    def __enter__(self):
+        self._note()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _run_named(name, fn):
+    """Start ``fn`` in a thread called ``name``; returns the thread and an event set when ``fn`` has returned."""
+    done = threading.Event()
+
+    def body():
+        try:
+            fn()
+        finally:
+            done.set()
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    return t, done
+
+
+def _blocked_on(lock: _RecordingLock, name: str, done: threading.Event) -> bool:
+    """Wait (no timing involved) until thread ``name`` either asked for ``lock`` or finished; True when it asked
+    and has not finished (it waits on the lock). The 30 s bound only stops a hung test."""
+    for _ in range(3000):
+        if lock.tried(name).is_set() or done.is_set():
+            break
+        lock.tried(name).wait(0.01)
+    return lock.tried(name).is_set() and not done.is_set()
+
+
 def test_session_read_while_a_call_stores(llama, monkeypatch):
     """While a call updates the held caches, ``held()`` from another thread waits for the update to finish
-    instead of iterating a dict that changes size under it.
+    instead of iterating a dict that changes size under it: the reader asks for the session's ``_state`` lock
+    while the call holds it (inside ``_store``) and returns only after the store.
 
     Planted bug that fails it: ``held`` without ``self._state`` (it returns before the store finishes)."""
     s = ReuseSession(llama)
+    s._state = state = _RecordingLock(s._state, "reader")
     inside, go = _pause(monkeypatch, "_store")
-    call = threading.Thread(target=lambda: s.generate(toks(20, 1), **GEN))
-    call.start()
+    call, call_done = _run_named("call", lambda: s.generate(toks(20, 1), **GEN))
     assert inside.wait(30)
     seen = []
-    reader = threading.Thread(target=lambda: seen.append(s.held()))
-    reader.start()
-    time.sleep(0.3)
-    assert reader.is_alive()  # waits for the store
+    reader, read = _run_named("reader", lambda: seen.append(s.held()))
+    assert _blocked_on(state, "reader", read), f"held() did not wait for the store (returned {seen})"
+    assert seen == []
     go.set()
     for t in (call, reader):
         t.join(30)
@@ -426,20 +485,20 @@ def test_session_read_while_a_call_stores(llama, monkeypatch):
 
 def test_clear_during_a_call_is_not_undone(llama, monkeypatch):
     """``clear()`` during a call waits for it, then drops everything: the call's own cache is not stored after
-    the clear (which would silently undo it).
+    the clear (which would silently undo it). The clearer asks for the session's ``_lock`` while the call holds
+    it and finishes only after the call.
 
     Planted bug that fails it: ``clear`` without ``self._lock`` (it clears at once; the call then stores)."""
     s = ReuseSession(llama)
     s.generate(toks(20, 2), **GEN)
+    s._lock = lock = _RecordingLock(s._lock, "clearer")
     inside, go = _pause(monkeypatch, "_timed_generate")
-    call = threading.Thread(target=lambda: s.generate(toks(20, 1), **GEN))
-    call.start()
+    call, _ = _run_named("call", lambda: s.generate(toks(20, 1), **GEN))
     assert inside.wait(30)
     assert len(s) == 1 and s.nbytes > 0  # readable during the call
-    clearer = threading.Thread(target=s.clear)
-    clearer.start()
-    time.sleep(0.3)
-    assert clearer.is_alive()  # waits for the call
+    clearer, cleared = _run_named("clearer", s.clear)
+    assert _blocked_on(lock, "clearer", cleared), "clear() did not wait for the running call"
+    assert len(s) == 1  # nothing cleared yet
     go.set()
     for t in (call, clearer):
         t.join(30)

@@ -33,7 +33,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, assume, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_kvreuse import OptimisticCache, ReuseSession, enable  # noqa: E402
+from hf_kvreuse import OptimisticCache, ReuseSession, enable, fingerprint  # noqa: E402
 from hf_kvreuse.models import tiny_model  # noqa: E402
 
 settings.register_profile("fast", max_examples=5, deadline=None, derandomize=True, print_blob=True,
@@ -453,3 +453,335 @@ def _poison(meta, attack, outside, where):
         return False
 
     visit(meta)
+
+
+# -- identity and generation configs between calls ------------------------------------------------------------
+#: weight and adapter edits drawn between two session calls (adapter edits need a peft model; elsewhere they are
+#: skipped and counted as such)
+EDITS = ["none", "none", "add_", "data_mul", "data_row0", "data_row_forget", "buffer", "buffer_data",
+         "lora_scale", "lora_rescale", "lora_merge", "lora_merge_unload", "lora_add", "lora_delete", "lora_set",
+         "lora_disable"]
+#: drawn too once the library serves them exactly (each has a strict xfail test below with its reproduction);
+#: ``HF_KVREUSE_FUZZ_KNOWN=1`` draws them anyway
+KNOWN_FAILING_EDITS = ["quantize"]
+if os.environ.get("HF_KVREUSE_FUZZ_KNOWN") == "1":
+    EDITS = EDITS + KNOWN_FAILING_EDITS
+#: generate options drawn for the next call
+CALL_OPTIONS = ["greedy", "greedy", "cache_impl_call", "cache_impl_config", "hidden_states", "attentions",
+                "watermark", "prompt_lookup", "assistant", "beams", "repetition_penalty", "sampling"]
+#: options no held K/V can serve: a session with an explicit reuse policy refuses them naming the option
+#: (``"auto"`` steps down to plain generate)
+PLAIN_ONLY = {"cache_impl_call": "cache_implementation", "cache_impl_config": "cache_implementation",
+              "hidden_states": "output_hidden_states", "attentions": "output_attentions",
+              "prompt_lookup": "decoding", "assistant": "decoding"}
+LORA_TARGETS = [["q_proj", "v_proj"], ["k_proj", "v_proj"], ["q_proj"], ["o_proj", "up_proj"]]
+
+
+def _random_lora(pm, name, seed):
+    """Give adapter ``name`` random, clearly non-zero factors (peft's default init makes B = 0: no change)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n and f".{name}." in n + ".":
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _base_of(model):
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+class _World:
+    """The model as it is now (the session's model, a peft model or a quantized copy) and its session."""
+
+    def __init__(self, arch, lora, cache, policy, seed):
+        from peft import LoraConfig, get_peft_model
+
+        self.arch, self.cache, self.policy, self.seed = arch, cache, policy, seed
+        model = tiny_model(arch, seed=seed % 3)
+        self.lora_cfg = None
+        if lora is not None:
+            self.lora_cfg = dict(r=4, lora_alpha=8, target_modules=lora, init_lora_weights=False)
+            model = get_peft_model(model, LoraConfig(**self.lora_cfg), adapter_name="a")
+            _random_lora(model, "a", seed)
+            model.eval()
+        self.model = enable(model)
+        self.adapters = ["a"] if lora is not None else []
+        self.session = ReuseSession(self.model, policy=policy, **cache)
+        self.next_call = None  # a context manager the next call runs in (rescale, disabled adapters)
+        self.tmp = None
+
+    @property
+    def peft(self) -> bool:
+        from peft.tuners.lora import LoraLayer
+
+        return hasattr(self.model, "peft_config") and any(isinstance(m, LoraLayer) for m in self.model.modules())
+
+    def edit(self, what: str, where: int) -> str:
+        """Apply one edit; returns the outcome name for the counts (``skip:...`` where it does not apply)."""
+        base = _base_of(self.model)
+        params = [p for n, p in base.named_parameters() if "lora_" not in n]
+        p = params[where % len(params)]
+        with torch.no_grad():
+            if what == "none":
+                return "none"
+            if what == "add_":  # through the parameter: the version counter moves
+                p.add_(torch.full_like(p, 0.05 * (1 + where % 3)))
+            elif what == "data_mul":  # through .data: no version bump, every sampled element changes
+                p.data.mul_(-1.25)
+            elif what == "data_row0":  # the first row (it holds a sampled element), no version bump
+                p.data[0] = p.data[0] * -2.0 + 0.1
+            elif what == "data_row_forget":  # a row anywhere (maybe no sampled element): the documented remedy
+                p.data[where % p.shape[0]] += 0.5
+                fingerprint.forget(self.model)
+                self.session.clear()
+            elif what in ("buffer", "buffer_data"):
+                bufs = [b for n, b in base.named_buffers() if b.is_floating_point()]
+                if not bufs:
+                    return "skip:" + what
+                b = bufs[where % len(bufs)]
+                (b.mul_ if what == "buffer" else b.data.mul_)(0.5 + 0.25 * (where % 3))
+            elif what.startswith("lora_"):
+                return self._adapter_edit(what, where)
+            elif what == "quantize":
+                return self._quantize()
+        return what
+
+    def _adapter_edit(self, what, where):
+        from peft import LoraConfig
+        from peft.tuners.lora import LoraLayer
+
+        if not self.peft:
+            return "skip:" + what
+        pm = self.model
+        active = pm.active_adapter if isinstance(pm.active_adapter, str) else pm.active_adapter[0]
+        try:
+            if what == "lora_scale":
+                for m in pm.modules():
+                    if isinstance(m, LoraLayer) and active in m.scaling:
+                        m.set_scale(active, 0.25 + 0.5 * (where % 4))
+            elif what == "lora_rescale":  # the next call runs at another strength
+                from peft.helpers import rescale_adapter_scale
+
+                self.next_call = lambda: rescale_adapter_scale(pm, 0.3 + 0.4 * (where % 3))
+            elif what == "lora_disable":  # the next call runs without adapters
+                self.next_call = pm.disable_adapter
+            elif what == "lora_merge":  # weight.data += delta, adapters stay (marked merged)
+                pm.merge_adapter()
+            elif what == "lora_merge_unload":  # weight.data += delta, adapters removed
+                pm.merge_and_unload()
+                self.adapters = []
+            elif what == "lora_add":
+                name = f"n{len(self.adapters)}{where % 97}"
+                pm.add_adapter(name, LoraConfig(**self.lora_cfg))
+                _random_lora(pm, name, where)
+                self.adapters.append(name)
+            elif what == "lora_set":
+                pm.set_adapter(self.adapters[where % len(self.adapters)])
+            elif what == "lora_delete":
+                others = [a for a in self.adapters if a != active]
+                if not others:
+                    return "skip:" + what
+                pm.delete_adapter(others[where % len(others)])
+                self.adapters.remove(others[where % len(others)])
+        except (ValueError, RuntimeError) as e:  # peft refuses the operation in this state (e.g. merged)
+            self.next_call = None
+            return f"skip:{what}:{type(e).__name__}"
+        return what
+
+    def _quantize(self):
+        """Continue on a dynamic-int8 copy (another model object, other weights): the session is saved and loaded
+        into the copy (load refuses it or keeps only what verifies)."""
+        import tempfile
+
+        base = _base_of(self.model)
+        if self.peft or base is not self.model:
+            return "skip:quantize"
+        q = enable(torch.ao.quantization.quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8))
+        assert q is not self.model
+        self.tmp = self.tmp or tempfile.TemporaryDirectory()
+        folder = Path(self.tmp.name) / f"s{self.session.calls}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.session.save(folder)
+            try:
+                self.session = ReuseSession.load(folder, q, policy=self.policy, **self.cache)
+                outcome = "quantize:loaded"
+            except ValueError:
+                self.session = ReuseSession(q, policy=self.policy, **self.cache)
+                outcome = "quantize:refused_load"
+        self.model = q
+        return outcome
+
+    def options(self, option: str, kw: dict, where: int) -> tuple[dict, object]:
+        """The next call's generate keywords for ``option`` and a restore function (model config options)."""
+        kw = dict(kw)
+        restore = None
+        if option == "cache_impl_call":
+            kw["cache_implementation"] = ["static", "dynamic", "sliding_window"][where % 3]
+        elif option == "cache_impl_config":
+            gc = _base_of(self.model).generation_config
+            old = gc.cache_implementation
+            gc.cache_implementation = ["static", "dynamic"][where % 2]
+            restore = lambda: setattr(gc, "cache_implementation", old)  # noqa: E731
+        elif option == "hidden_states":
+            kw["output_hidden_states"] = True
+        elif option == "attentions":
+            kw["output_attentions"] = True
+        elif option == "watermark":
+            from transformers import WatermarkingConfig
+
+            kw["watermarking_config"] = WatermarkingConfig(bias=2.5, context_width=1 + where % 2,
+                                                           seeding_scheme=["lefthash", "selfhash"][where % 2])
+        elif option == "prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = 1 + where % 3
+        elif option == "assistant":
+            kw["assistant_model"] = _assistant(self.arch)
+        elif option == "beams":
+            kw["num_beams"] = 2 + where % 2
+            if where % 2:
+                kw["num_return_sequences"] = 2
+        elif option == "repetition_penalty":
+            kw["repetition_penalty"] = 1.2 + (where % 5) * 0.3
+        elif option == "sampling":
+            kw.update(do_sample=True, seed=where, top_k=5 + where % 20, temperature=0.7 + 0.1 * (where % 5))
+        return kw, restore
+
+
+def _assistant(arch):
+    """Another tiny model of the same vocabulary, with a fixed number of drafts per step (its adaptive schedule
+    would otherwise change between the reference call and the session call)."""
+    key = "assistant:" + arch
+    if key not in _MODELS:
+        m = tiny_model("qwen2" if arch == "llama" else "llama", seed=11)
+        m.generation_config.num_assistant_tokens_schedule = "constant"
+        _MODELS[key] = m
+    return _MODELS[key]
+
+
+def _same_extras(out, ref, what):
+    """Hidden states and attentions, where the call returned them, close to plain generate's."""
+    for name in ("hidden_states", "attentions"):
+        a, b = getattr(out, name, None), getattr(ref, name, None)
+        assert (a is None) == (b is None), f"{what}: {name} returned by one only"
+        if a is None:
+            continue
+        assert len(a) == len(b), f"{what}: {name} steps"
+        for sa, sb in zip(a, b):
+            for ta, tb in zip(sa, sb):
+                torch.testing.assert_close(ta.float(), tb.float(), rtol=1e-3, atol=1e-3, msg=f"{what}: {name}")
+
+
+def _identity_call(prop, w: _World, ids, kw, option):
+    """One session call against plain generate on the model as it is now. Refusals: only where plain generate
+    refuses too, or (an explicit reuse policy) an option no held K/V can serve, with the option named."""
+    s, model = w.session, w.model
+    ctx = w.next_call() if w.next_call is not None else None
+    w.next_call = None
+    if ctx is not None:
+        ctx.__enter__()
+    before = s.held()
+    try:
+        try:
+            ref = _run(model.generate, ids, kw)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            # plain generate refuses this option set: the session must fail too, and stay as it was
+            with pytest.raises((RuntimeError, ValueError, TypeError, NotImplementedError)):
+                _run(s.generate, ids, kw)
+            assert s.held() == before
+            _count(prop, f"both_fail:{option}")
+            return
+        try:
+            out = _run(s.generate, ids, kw)
+        except ValueError as e:
+            assert s.held() == before, f"a refused call changed the session ({e})"
+            assert w.policy != "auto", f"policy 'auto' raised where plain generate runs ({option}, {kw}): {e}"
+            assert option in PLAIN_ONLY and PLAIN_ONLY[option] in str(e), (
+                f"policy {w.policy!r} refused {option} ({kw}) without naming it, plain generate runs: {e}")
+            _count(prop, f"named_refusal:{option}")  # the documented refusal: counts for no floor
+            return
+        assert_same(out, ref, f"{prop} {option} {kw}")
+        _same_extras(out, ref, f"{prop} {option}")
+        method = s.last_stats.method if s.last_stats is not None else "?"
+        _count(prop, f"equal:{method}")
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+@FUZZ
+@given(arch=st.sampled_from(["llama", "qwen2"]), prompts=conversations(calls=(2, 4), seg=(6, 30)),
+       lora=st.sampled_from([None, None] + LORA_TARGETS), policy=st.sampled_from(["auto", "prefix"]),
+       steps=st.lists(st.tuples(st.sampled_from(EDITS), st.sampled_from(CALL_OPTIONS), st.integers(0, 10 ** 6)),
+                      min_size=5, max_size=5),
+       new=st.sampled_from([1, 2, 3, 5]), cache=CACHE_OPTIONS, seed=st.integers(0, 1000))
+# explicit cases (every profile): an in-place edit and .data writes over a held prefix; a LoRA rescale, merge and
+# a second adapter; and the options a reuse policy cannot serve, under "auto" and "prefix"
+@example(arch="llama", prompts=[list(range(10, 40)), list(range(10, 40)) + [5, 6, 7], list(range(10, 45)),
+                                list(range(10, 47)), list(range(10, 40)) + [9]],
+         lora=None, policy="prefix",
+         steps=[("none", "greedy", 0), ("data_mul", "greedy", 3), ("add_", "beams", 8), ("buffer_data", "greedy", 1),
+                ("none", "greedy", 0)], new=3, cache={"min_span": 4, "min_donor_tokens": 8}, seed=0)
+@example(arch="qwen2", prompts=[list(range(20, 50)), list(range(20, 50)) + [9, 8], list(range(20, 52)),
+                                list(range(20, 53)), list(range(20, 54)), list(range(20, 50)) + [7]],
+         lora=["k_proj", "v_proj"], policy="auto",
+         steps=[("none", "greedy", 0), ("lora_rescale", "greedy", 1), ("lora_disable", "greedy", 0),
+                ("lora_add", "sampling", 5), ("lora_set", "watermark", 1), ("lora_merge_unload", "greedy", 0)],
+         new=3, cache={"min_span": 4, "min_donor_tokens": 8}, seed=1)
+@example(arch="llama", prompts=[list(range(30, 60)), list(range(30, 62)), list(range(30, 64)),
+                                list(range(30, 66)), list(range(30, 68))],
+         lora=None, policy="auto",
+         steps=[("none", "cache_impl_config", 0), ("data_row0", "greedy", 0), ("none", "hidden_states", 0),
+                ("none", "assistant", 0), ("none", "prompt_lookup", 1)],
+         new=3, cache={"min_span": 4, "min_donor_tokens": 8}, seed=2)
+def _identity_cases(arch, prompts, lora, policy, steps, new, cache, seed):
+    """Between session calls: weight edits (in place, through ``.data``, buffers, LoRA scaling, merging, adapter
+    add / delete / set / disable, a quantized copy) and the next call's generate options (cache_implementation,
+    output_* flags, watermarking, prompt lookup, an assistant model, beams, repetition penalty, seeded sampling).
+    Every call equals plain generate on the model as it is then, or is refused where plain generate refuses too
+    (or, policy "prefix", an option no held K/V serves, named); the session stays usable: a last greedy call
+    equals plain generate."""
+    w = _World(arch, lora, cache, policy, seed)
+    prop = f"identity_{policy}"
+    base_kw = dict(max_new_tokens=new, pad_token_id=0, eos_token_id=None, do_sample=False)
+    try:
+        for ids, (edit, option, where) in zip(prompts, steps):
+            _count(prop + "_edits", w.edit(edit, where))
+            kw, restore = w.options(option, base_kw, where)
+            try:
+                _identity_call(prop, w, ids, kw, option)
+            finally:
+                if restore is not None:
+                    restore()
+        _identity_call(prop + "_after", w, prompts[0] + prompts[-1][:7], dict(base_kw, max_new_tokens=3),
+                       "greedy")
+    finally:
+        if w.tmp is not None:
+            w.tmp.cleanup()
+
+
+def test_identity_and_options_between_calls_equal_plain_generate():
+    """The property above; every call of either policy that is not a documented refusal (plain generate refuses
+    too, or policy "prefix" names an option no held K/V serves) equals plain generate: the floors are 100%, and
+    at least one call equals plain generate (a library refusing everything fails)."""
+    before = _snapshot()
+    _identity_cases()
+    require_equal(before, {"identity_auto": 1.0, "identity_prefix": 1.0, "identity_auto_after": 1.0,
+                           "identity_prefix_after": 1.0})
+
+
+@pytest.mark.xfail(strict=True, reason="dynamic int8 quantization scales each forward's activations by that forward's "
+                   "range: a held row differs from the row a prefill of another length computes, yet prefix reuse "
+                   "is labelled exact")
+def test_dynamic_int8_copy_prefix_reuse_equals_plain_generate():
+    """The ``quantize`` edit of the property above, reduced: a session over ``quantize_dynamic`` of a tiny llama
+    holds a 32-token call; a 37-token prompt sharing its first 30 tokens reuses them as an exact prefix
+    (``exact_output=True``) and returns other tokens than plain ``generate``. When this passes, the ``quantize``
+    edit joins the drawn edits (:data:`KNOWN_FAILING_EDITS`)."""
+    q = enable(torch.ao.quantization.quantize_dynamic(tiny_model("llama", seed=2), {torch.nn.Linear},
+                                                      dtype=torch.qint8))
+    g = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    s = ReuseSession(q, min_donor_tokens=8)
+    s.generate(torch.tensor([list(range(30, 62))]), **g)
+    ids = list(range(30, 60)) + list(range(30, 37))
+    out = _run(s.generate, ids, g)
+    assert_same(out, _run(q.generate, ids, g), "dynamic int8, held prefix of 30")
