@@ -24,6 +24,7 @@ from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchErr
                           QuestionAttentionScorer, QuestionWordScorer, RandomScorer, RankDisagreementScorer, Scorer)
 from .rope import UnsupportedRopeError
 from .session import ReuseSession, SessionStats
+from .guard import DivergenceGuard, GuardConfig
 
 from .pipeline import KVReuseTextGenerationPipeline, register as _register_pipeline
 
@@ -44,5 +45,5 @@ __all__ = [
     "ChunkStore", "KVChunk", "DiskTier", "PersistedKVError", "output_cache",
     "enable", "disable", "is_enabled",
     "UnsupportedRopeError", "UnsupportedModelError",
-    "KVReuseTextGenerationPipeline", "ReuseSession", "SessionStats",
+    "KVReuseTextGenerationPipeline", "ReuseSession", "SessionStats", "DivergenceGuard", "GuardConfig",
 ]
