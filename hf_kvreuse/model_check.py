@@ -42,6 +42,20 @@ class UnsupportedModelError(ValueError):
     """The model's own code does not behave as a library mechanism requires (the check says which)."""
 
 
+def rows_coupled(model) -> str | None:
+    """Why a row's K/V in ``model``'s forward depend on the other rows of that forward (None: no known reason):
+    dynamically quantized layers (``torch.ao`` ``quantize_dynamic`` and its kind) scale each forward's
+    activations by the whole forward's range, so a row held from a forward of other rows is not what a prefill of
+    this prompt computes. Such K/V are never exact for another call, at any position."""
+    for name, module in model.named_modules():
+        kind = f"{type(module).__module__}.{type(module).__name__}"
+        if ".quantized.dynamic" in kind:
+            return (f"{name or 'the model'} is a dynamically quantized {type(module).__name__}: it scales each "
+                    "forward's activations by that forward's range, so K/V rows depend on the other rows of their "
+                    "forward and rows held from another call are not exact")
+    return None
+
+
 @dataclass
 class ModelCheck:
     """What the probe of one model found (relative errors are ``max|a - b| / max|b|`` over every layer)."""

@@ -49,7 +49,7 @@ from .generation.options import STEPWISE_MODES, call_options, plain_only_call
 from .guard import DivergenceGuard, GuardConfig
 from .inputs import inferred_padding, prompt_ids, refuse_inferred_padding
 from .kv import KV, kv_of, load_kv
-from .model_check import UnsupportedModelError
+from .model_check import UnsupportedModelError, rows_coupled
 from .rope import UnsupportedRopeError
 from .rotary import length_dependent_rope
 from .session_entry import _Entry, _storage_bytes
@@ -676,8 +676,9 @@ class ReuseSession:
     def _plain_only(self, policy: str, opts, kwargs: dict) -> str | None:
         """Why this call runs as plain ``generate`` with nothing held (None: the policy runs): a generate option or
         model config no reuse method honours (:func:`~hf_kvreuse.generation.options.plain_only_call`), or RoPE
-        frequencies that depend on the length (:func:`~hf_kvreuse.rotary.length_dependent_rope`: no held row is
-        exact). ``"auto"`` and ``"full"`` step down to plain ``generate``, ``"prefix"`` too where the RoPE is the
+        frequencies that depend on the length (:func:`~hf_kvreuse.rotary.length_dependent_rope`), or a forward whose
+        rows depend on each other (:func:`~hf_kvreuse.model_check.rows_coupled`: dynamic quantization): no held row
+        is exact. ``"auto"`` and ``"full"`` step down to plain ``generate``, ``"prefix"`` too where the model is the
         reason (it reuses only exact rows, and none are); every other policy refuses, naming the option."""
         if not opts.use_cache:
             return None  # runs as plain generate already
@@ -687,11 +688,18 @@ class ReuseSession:
                 raise ValueError(f"policy={policy!r} cannot honour {why}. Use policy 'auto' or 'full' (plain "
                                  "generate for this call)")
             return why
-        why = length_dependent_rope(_generation_config_model(self.model))
+        model = _generation_config_model(self.model)
+        why = length_dependent_rope(model)
         if why is not None and policy not in ("auto", "full", "prefix"):
             raise UnsupportedRopeError(f"policy={policy!r} cannot reuse or re-position K/V of "
                                        f"{type(self.model).__name__}: {why}. Use policy 'auto', 'prefix' or 'full' "
                                        "(plain generate, nothing held)")
+        if why is None:
+            why = rows_coupled(model)
+            if why is not None and policy not in ("auto", "full", "prefix"):
+                raise UnsupportedModelError(f"policy={policy!r} cannot reuse K/V of {type(self.model).__name__}: "
+                                            f"{why}. Use policy 'auto', 'prefix' or 'full' (plain generate, nothing "
+                                            "held)")
         return why
 
     def _inferred_padding(self, input_ids, kwargs: dict, policy: str) -> bool:

@@ -460,10 +460,10 @@ def _poison(meta, attack, outside, where):
 #: skipped and counted as such)
 EDITS = ["none", "none", "add_", "data_mul", "data_row0", "data_row_forget", "buffer", "buffer_data",
          "lora_scale", "lora_rescale", "lora_merge", "lora_merge_unload", "lora_add", "lora_delete", "lora_set",
-         "lora_disable"]
-#: drawn too once the library serves them exactly (each has a strict xfail test below with its reproduction);
+         "lora_disable", "quantize"]
+#: edits the library does not serve exactly yet (each with a strict xfail test and its reproduction);
 #: ``HF_KVREUSE_FUZZ_KNOWN=1`` draws them anyway
-KNOWN_FAILING_EDITS = ["quantize"]
+KNOWN_FAILING_EDITS: list[str] = []
 if os.environ.get("HF_KVREUSE_FUZZ_KNOWN") == "1":
     EDITS = EDITS + KNOWN_FAILING_EDITS
 #: generate options drawn for the next call
@@ -769,14 +769,12 @@ def test_identity_and_options_between_calls_equal_plain_generate():
                            "identity_prefix_after": 1.0})
 
 
-@pytest.mark.xfail(strict=True, reason="dynamic int8 quantization scales each forward's activations by that forward's "
-                   "range: a held row differs from the row a prefill of another length computes, yet prefix reuse "
-                   "is labelled exact")
 def test_dynamic_int8_copy_prefix_reuse_equals_plain_generate():
     """The ``quantize`` edit of the property above, reduced: a session over ``quantize_dynamic`` of a tiny llama
-    holds a 32-token call; a 37-token prompt sharing its first 30 tokens reuses them as an exact prefix
-    (``exact_output=True``) and returns other tokens than plain ``generate``. When this passes, the ``quantize``
-    edit joins the drawn edits (:data:`KNOWN_FAILING_EDITS`)."""
+    holds a 32-token call; a 37-token prompt shares its first 30 tokens. Dynamic quantization scales each forward's
+    activations by that forward's range, so the held rows are not exact: the session runs plain ``generate``.
+    Planted bug: ``model_check.rows_coupled`` returns None -> the prompt reuses the held prefix as exact and the
+    tokens differ from plain ``generate``'s."""
     q = enable(torch.ao.quantization.quantize_dynamic(tiny_model("llama", seed=2), {torch.nn.Linear},
                                                       dtype=torch.qint8))
     g = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
