@@ -65,7 +65,8 @@ def rows_of(bench: dict, source: str) -> list[dict]:
                        exact_output_share=sum(bool(t["stats"].get("exact_output", True)) for t, _ in turns)
                        / len(turns),
                        ttft_ratio=_median(ratios), role_first_calls=len(role_first),
-                       role_first_ttft_ratio=_median(role_first), e2e_ratio=_median(e2e), source=source)
+                       role_first_ttft_ratio=_median(role_first), e2e_ratio=_median(e2e), source=source,
+                       side_by_side=not any(c.get("reference") for c in cfgs))
             if mode != "full":
                 d, lo, hi = paired_difference([bool(r["correct"]) for r in rs],
                                               [bool(full[r["question"]]["correct"]) for r in rs])
@@ -110,10 +111,14 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         diff = "-" if "accuracy_minus_full" not in r else \
             f"{100 * r['accuracy_minus_full']:+.0f}{_ci(r['accuracy_minus_full_ci'], True)}"
+        mark = "" if r.get("side_by_side", True) else " *"
         lines.append(f"| {r['model']} | {r['dataset']} | {r['mode']} | {r['n']} | {_pct(r['accuracy'])}"
                      f"{_ci(r['accuracy_ci'])} | {diff} | {_pct(r['agreement'])} | {_pct(r['exact_output_share'])} | "
-                     f"{_x(r['role_first_ttft_ratio'])} ({r['role_first_calls']}) | {_x(r['ttft_ratio'])} | "
-                     f"{_x(r['e2e_ratio'])} |")
+                     f"{_x(r['role_first_ttft_ratio'])}{mark} ({r['role_first_calls']}) | {_x(r['ttft_ratio'])}{mark} | "
+                     f"{_x(r['e2e_ratio'])}{mark} |")
+    if any(not r.get("side_by_side", True) for r in doc["rows"]):
+        lines += ["", "\\* full prefill's records come from an earlier run of the same questions (its answers are "
+                  "exact, its timings were not measured side by side): these ratios are indicative only."]
     return "\n".join(lines)
 
 
