@@ -25,6 +25,7 @@ from .translation import (FirstLayerDeviationScorer, KVMapper, MapperMismatchErr
 from .rope import UnsupportedRopeError
 from .session import ReuseSession, SessionStats
 from .guard import DivergenceGuard, GuardConfig
+from .errors import HFKVReuseError
 
 from .pipeline import KVReuseTextGenerationPipeline, register as _register_pipeline
 
@@ -44,6 +45,6 @@ __all__ = [
     "RandomScorer", "OracleScorer", "FirstLayerDeviationScorer", "QuestionAttentionScorer", "QuestionWordScorer",
     "ChunkStore", "KVChunk", "DiskTier", "PersistedKVError", "output_cache",
     "enable", "disable", "is_enabled",
-    "UnsupportedRopeError", "UnsupportedModelError",
+    "HFKVReuseError", "UnsupportedRopeError", "UnsupportedModelError",
     "KVReuseTextGenerationPipeline", "ReuseSession", "SessionStats", "DivergenceGuard", "GuardConfig",
 ]

@@ -23,11 +23,12 @@ import torch
 
 from . import safe_files
 from .models.offline import sha256_of
+from .errors import HFKVReuseError
 
 SIDECAR = "sha256.json"
 
 
-class CorruptArtifactError(ValueError):
+class CorruptArtifactError(HFKVReuseError, ValueError):
     """A saved artifact's file does not match its recorded sha256, or holds non-finite values."""
 
 

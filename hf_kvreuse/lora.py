@@ -36,6 +36,7 @@ from . import kernels
 from .local_hooks import local_hooks, patched_forward, register_wrapper
 from .rope import RopeShifter, find_rotary_embedding
 from .triton.lowrank_attention import lowrank_attention_torch as lowrank_attention  # noqa: F401 (public name)
+from .errors import HFKVReuseError
 
 #: the :class:`LRState` of the forward that is running (None: plain peft behaviour)
 ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_kvreuse_lora_state", default=None)
@@ -44,7 +45,7 @@ SPLIT_KINDS = {"k_proj": "k", "v_proj": "v"}
 OTHER_ATTENTION_PROJECTIONS = ("q_proj", "o_proj")
 
 
-class UnsupportedAdapterError(ValueError):
+class UnsupportedAdapterError(HFKVReuseError, ValueError):
     """An adapter cannot be split into a shared base cache plus a low-rank cache."""
 
 

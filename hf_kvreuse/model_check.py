@@ -33,12 +33,13 @@ import torch
 
 from .rotary import (ROPE_LAYOUTS, RotaryShifter, UnsupportedRopeError, check_rope_supported, find_rotary_embedding,
                      layer_rotaries)
+from .errors import HFKVReuseError
 
 PROBE_TOKENS = 8
 PROBE_SHIFT = 37
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(HFKVReuseError, ValueError):
     """The model's own code does not behave as a library mechanism requires (the check says which)."""
 
 

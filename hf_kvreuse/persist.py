@@ -51,6 +51,7 @@ from . import safe_files
 from .devices import place_kv
 from .kv import KV
 from .session_entry import _Entry, _storage_bytes
+from .errors import HFKVReuseError
 
 FORMAT_SESSION = "hf_kvreuse.session"
 FORMAT_CHUNK = "hf_kvreuse.chunk"
@@ -60,7 +61,7 @@ __all__ = ["PersistedKVError", "DiskTier", "save_session", "load_session", "sess
            "entry_to_record", "entry_from_record"]
 
 
-class PersistedKVError(ValueError):
+class PersistedKVError(HFKVReuseError, ValueError):
     """Saved K/V that cannot be used with this model: a file that fails its sha256, another model's fingerprint,
     shapes or dtype that do not match the model, non-finite values, or an unknown format."""
 

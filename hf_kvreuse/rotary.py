@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import HFKVReuseError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 
-class UnsupportedRopeError(ValueError):
+class UnsupportedRopeError(HFKVReuseError, ValueError):
     """The model's RoPE variant cannot be re-positioned exactly."""
 
 

@@ -25,13 +25,15 @@ import os
 import uuid
 from pathlib import Path
 
+from .errors import HFKVReuseError
+
 __all__ = ["FileIntegrityError", "inside", "sha256_bytes", "write_atomic", "read_verified", "remove_inside",
            "canonical", "sign", "check_signed", "write_json", "SIGNATURE"]
 
 SIGNATURE = "meta_sha256"
 
 
-class FileIntegrityError(ValueError):
+class FileIntegrityError(HFKVReuseError, ValueError):
     """A file name that leaves its folder, a file whose bytes do not match their recorded digest, or a manifest
     whose fields do not match its own signature."""
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..local_hooks import local_hooks
+from ..errors import HFKVReuseError
 
 FORMAT = "hf_kvreuse.LatentBridge"
 VERSION = 5
@@ -54,7 +55,7 @@ READABLE = (1, 2, 3, 4, 5)  # version 1: one layer, last row, no tail; 2: no LoR
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-class LatentBridgeMismatchError(ValueError):
+class LatentBridgeMismatchError(HFKVReuseError, ValueError):
     """A LatentBridge checkpoint made for another model."""
 
 

@@ -16,6 +16,7 @@ from typing import Iterable, Protocol, runtime_checkable
 import torch
 
 from ..artifacts import CorruptArtifactError, check_finite
+from ..errors import HFKVReuseError
 
 FORMAT = "hf_kvreuse.entry/1"
 # the name rule (check_name): a letter or digit first, then letters, digits, '_', '.', '-'; not ending in '.'
@@ -33,7 +34,7 @@ class CorruptEntryError(CorruptArtifactError):
     that differ from their recorded dtypes and shapes, non-finite values."""
 
 
-class StoreUnavailableError(ConnectionError):
+class StoreUnavailableError(HFKVReuseError, ConnectionError):
     """The store's server cannot be reached (down, restarting, network): callers treat it as a miss."""
 
 

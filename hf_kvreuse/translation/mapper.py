@@ -44,6 +44,7 @@ from ..rope import RopeShifter
 from .features import _r2, _run_features, content_features, flat_features, gather, ridge_solve, run_source  # noqa: F401
 from .moments import depth_band
 from .residual import apply_residual
+from ..errors import HFKVReuseError
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)   # 1: K->K / V->V maps only (no inputs_* / residual tensors)
@@ -51,7 +52,7 @@ _KIND_CODE = {"k": 0, "v": 1, "h": 2}
 KINDS = ("k", "v", "h")
 
 
-class MapperMismatchError(ValueError):
+class MapperMismatchError(HFKVReuseError, ValueError):
     """A saved KVMapper was fitted for another (source, target) pair."""
 
 

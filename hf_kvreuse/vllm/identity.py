@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from ..models.offline import sha256_of
+from ..errors import HFKVReuseError
 
 
-class ModelMismatchError(ValueError):
+class ModelMismatchError(HFKVReuseError, ValueError):
     """The model is not the one a store or an entry was written for, or its weights differ from its folder."""
 
 

@@ -19,8 +19,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import HFKVReuseError
 
-class UnknownLayoutError(RuntimeError):
+
+class UnknownLayoutError(HFKVReuseError, RuntimeError):
     """The engine stores K/V in a paged layout this connector does not know (or cannot verify)."""
 
 
