@@ -531,10 +531,11 @@ def test_hybrid_session_saves_with_the_warning(kind, where, tmp_path):
     doc = torch.randint(3, 128, (1, 20), generator=g)
     session = ReuseSession(m)
     session.generate(doc, **GEN)
-    assert len(session) > 0  # it holds a recurrent state
+    continues = state_continues(m)[0]  # a release whose model restarts the state: the session holds nothing
+    assert (len(session) > 0) == continues  # where it continues, it holds a recurrent state
     target = tmp_path / "saved" if where == "folder" else FolderBackend(tmp_path / "store")
     names = {} if where == "folder" else dict(name="hybrid")
-    with pytest.warns(UserWarning, match="recurrent-state"):
+    with pytest.warns(UserWarning, match="recurrent-state") if continues else contextlib.nullcontext():
         manifest = session.save(target, **names)
     assert manifest["entries"] == []
     back = ReuseSession.load(target, m, **names)

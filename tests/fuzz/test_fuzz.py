@@ -667,7 +667,13 @@ def _same_extras(out, ref, what):
             continue
         assert len(a) == len(b), f"{what}: {name} steps"
         for sa, sb in zip(a, b):
+            if sa is None or sb is None:  # a release whose SDPA attention returns no weights
+                assert sa is None and sb is None, f"{what}: {name} returned by one only"
+                continue
             for ta, tb in zip(sa, sb):
+                if ta is None or tb is None:
+                    assert ta is None and tb is None, f"{what}: {name} returned by one only"
+                    continue
                 torch.testing.assert_close(ta.float(), tb.float(), rtol=1e-3, atol=1e-3, msg=f"{what}: {name}")
 
 
