@@ -200,6 +200,7 @@ def question_span(args) -> range:
 
 
 REFERENCE_KEYS = ("model", "dtype", "rounds", "max_new_tokens", "seed", "n", "max_bytes", "dataset")
+REFERENCE_DEFAULTS = {"dataset": "squad"}  # runs recorded before the option existed ran on SQuAD
 
 
 def load_reference(args) -> dict:
@@ -220,7 +221,7 @@ def load_reference(args) -> dict:
     else:
         configs = [configs]
     for cfg in configs:
-        bad = [k for k in REFERENCE_KEYS if cfg.get(k, "squad" if k == "dataset" else None) != getattr(args, k)]
+        bad = [k for k in REFERENCE_KEYS if cfg.get(k, REFERENCE_DEFAULTS.get(k)) != getattr(args, k, REFERENCE_DEFAULTS.get(k))]
         if bad:
             raise SystemExit(f"--reference {args.reference}: its {', '.join(bad)} differ from this run's "
                              f"({', '.join(f'{k}={cfg.get(k)!r}' for k in bad)})")
