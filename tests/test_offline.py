@@ -43,3 +43,25 @@ def test_drop_items_carry_their_answers():
     assert len(items) == 1000
     assert sum(bool(it.answers) for it in items) >= 990
     assert all(isinstance(a, str) and a for it in items for a in it.answers)
+
+
+@pytest.mark.slow
+def test_workflow_datasets_drop_and_multi_turn_coqa():
+    """The bench's ``--dataset`` sets: DROP items with answers; CoQA turns after the first carry the conversation
+    before them (earlier questions with their gold answers, then the final question) and their own answers.
+
+    Planted bug that fails it (checked): ``coqa_turns`` keeps only the final question (``history = doc["question"]``)
+    -> the "Preceding questions" assert fails."""
+    from hf_kvreuse.workflows.datasets import QA_DATASETS, coqa_turns, qa_dataset
+
+    assert QA_DATASETS == ("squad", "drop", "coqa")
+    drop_items = qa_dataset("drop")
+    assert len(drop_items) >= 990 and all(it.answers and it.passage and it.question for it in drop_items)
+    turns = coqa_turns()
+    assert len(turns) > 7000
+    assert all(t.question.startswith("Preceding questions:") for t in turns)
+    assert all(t.question.rstrip().endswith("?") or "Question:" in t.question.splitlines()[-1] for t in turns)
+    assert all(t.answers and all(a for a in t.answers) for t in turns)
+    assert not any(t.question.rstrip().endswith("Answer:") for t in turns)
+    with pytest.raises(ValueError, match="choose one of"):
+        qa_dataset("hotpotqa")
