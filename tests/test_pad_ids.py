@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_kvreuse import OptimisticCache, ReuseSession, enable, output_cache
+from hf_kvreuse.compat import TRANSFORMERS_VERSION
 from hf_kvreuse.inputs import inferred_padding
 from hf_kvreuse.models.arch_zoo import zoo_model
 
@@ -27,12 +28,24 @@ PAD = 0
 CASES = int(__import__("os").environ.get("HF_KVREUSE_PAD_CASES", "40"))
 
 
+#: the release the full suite runs on; an older one may lack a family's config fields (StableLM's
+#: ``pad_token_id`` on transformers 5.0)
+NEWEST = TRANSFORMERS_VERSION >= (5, 24)
+
+
 @functools.lru_cache(maxsize=None)
 def _get(arch):
-    """The enabled tiny model. No skip: every family in ARCHS builds on every supported transformers release, and
-    an error here (the builder's or ``enable``'s) is a failure, not a skip (inside the property a skip would
-    skip the whole test)."""
-    return enable(zoo_model(arch))
+    """The enabled tiny model. On the newest tested release every family in ARCHS must build, and any error here
+    (the builder's or ``enable``'s) is a failure; on an older release a builder error of transformers' own config
+    (AttributeError) returns None and the property draws another family (never a skip, which would skip the whole
+    property). ``enable`` always runs outside the ``try``."""
+    try:
+        model = zoo_model(arch)
+    except AttributeError:
+        if NEWEST:
+            raise
+        return None
+    return enable(model)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,7 +85,7 @@ def test_session_with_pad_ids_is_plain_generate(data):
 
     Planted bug that fails it: ``ReuseSession.generate`` ignores ``_inferred_padding`` (runs its normal path, with
     the all-ones attention mask it sets): the pad tokens are read as text and the logits differ."""
-    arch = data.draw(st.sampled_from(ARCHS))
+    arch = data.draw(st.sampled_from([a for a in ARCHS if _get(a) is not None]))
     model = _get(arch)
     length = data.draw(st.integers(4, 20))
     ids = _prompt(data, data.draw(st.integers(1, 3)), length)
